@@ -1,0 +1,260 @@
+"""Typed configuration: dataclass schema + YAML files in ``conf/`` + dotted command-line overrides.
+
+Resolution order (later wins): schema defaults ← ``experiment=NAME`` ← group selections
+(``assigner=NAME``, ``task=NAME``, ``model=NAME``) ← dotted overrides (``trainer.max_steps=20``).
+Unknown keys and wrong types raise ``ConfigError`` naming the key path, before any work.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+# Groups selectable as ``group=name`` on the command line; each maps to conf/<group>/<name>.yaml,
+# merged at the given key ("" = the root).
+GROUPS = {"assigner": "assigner", "task": "task", "model": "model", "experiment": ""}
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the CLI prints it on one line and exits with code 2."""
+
+
+@dataclass
+class ModelConfig:
+    # "embedded:tiny-arith" = the warm-started tiny model (made by `gearlab warmstart` if missing);
+    # "embedded:tiny-random" = a freshly initialised tiny model; otherwise a local folder or hub id.
+    name_or_path: str = "embedded:tiny-arith"
+    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU | float32 | bfloat16
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arith"
+    options: dict[str, Any] = field(default_factory=dict)
+    eval_problems: int = 64
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off: the sampled distribution is exactly softmax(logits / T)
+    batch_size: int = 64  # sequences per generate() call
+
+
+@dataclass
+class AlgorithmConfig:
+    """GRPO core (methods.md §1). Defaults follow verl except clip_high (DAPO's 0.28 is one override away)."""
+
+    scale_by_std: bool = True
+    std_scope: str = "group"  # group | batch (TRL scale_rewards="batch")
+    adv_eps: float = 1e-6
+    leave_one_out: bool = False
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    loss_scale_factor: float | None = None
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch over one rollout batch
+    micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
+
+
+@dataclass
+class AssignerConfig:
+    name: str = "grpo"
+    options: dict[str, Any] = field(default_factory=dict)
+    plugins: list[str] = field(default_factory=list)  # extra modules / .py files to import first
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine | linear
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+
+
+@dataclass
+class SignalConfig:
+    chunk_size: int = 256  # positions per chunk for log-probs / entropy / KL (never a full B×T×V fp32 tensor)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 30  # RL iterations (rollout + updates)
+    seed: int = 0
+    accelerator: str = "auto"
+    devices: int = 1
+    precision: str = "32-true"
+    output_dir: str = "runs"
+    run_name: str | None = None  # default: <task>-<assigner>-s<seed>
+    checkpoint_every: int = 10
+    resume: str = "auto"  # auto (resume the run's last checkpoint if any) | never | a checkpoint path
+    max_nonfinite: int = 3  # consecutive non-finite losses before the run stops (after a checkpoint)
+    reward_errors: str = "zero"  # zero (score 0 and count) | raise
+    log_every: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db
+    experiment: str = "gearlab"
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class WarmstartConfig:
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-3
+    max_minutes: float | None = None
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str | None = None  # a Lightning checkpoint or an HF folder; None = model.name_or_path
+    num_problems: int = 200
+    k: int = 4
+    temperature: float = 1.0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    assigner: AssignerConfig = field(default_factory=AssignerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    signals: SignalConfig = field(default_factory=SignalConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def conf_dir() -> Path:
+    """The YAML directory: $GEARLAB_CONF_DIR, else ``conf/`` beside the installed package sources."""
+    env = os.environ.get("GEARLAB_CONF_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+
+
+def _merge(base: DictConfig, other: Any, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {_describe(e)}") from None
+
+
+def _describe(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"key '{key}': {msg}" if key else msg
+
+
+def _load_group(group: str, name: str) -> Any:
+    path = conf_dir() / group / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        raise ConfigError(f"no {group} named {name!r} (looked for {path.name}); known: {', '.join(known) or 'none'}")
+    data = OmegaConf.load(path)
+    key = GROUPS[group]
+    return OmegaConf.create({key: data}) if key else data
+
+
+def load_config(overrides: list[str] | None = None) -> Config:
+    """Build the resolved, validated config from command-line style overrides.
+
+    ``overrides`` items are ``group=name`` (a YAML of conf/<group>/) or ``a.b.c=value`` (dotted key).
+    Returns an OmegaConf structured config typed as ``Config``.
+    """
+    cfg: DictConfig = OmegaConf.structured(Config)
+    groups: list[tuple[str, str]] = []
+    dotted: list[str] = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        if key in GROUPS and "." not in key:
+            groups.append((key, value))
+        else:
+            dotted.append(item)
+    # experiment first so that explicit group selections and dotted keys override it
+    groups.sort(key=lambda kv: kv[0] != "experiment")
+    for group, name in groups:
+        cfg = _merge(cfg, _load_group(group, name), f"conf/{group}/{name}.yaml")
+    for item in dotted:
+        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override {item!r}")
+    validate(cfg)  # type: ignore[arg-type]
+    return cfg  # type: ignore[return-value]
+
+
+_CHOICES = {
+    "algorithm.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "algorithm.std_scope": ("group", "batch"),
+    "algorithm.kl_kind": ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+"),
+    "optim.schedule": ("constant", "cosine", "linear"),
+    "trainer.reward_errors": ("zero", "raise"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "rollout.engine": ("hf",),
+}
+_POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "rollout.batch_size",
+             "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.micro_batch_size",
+             "signals.chunk_size", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_nonfinite")
+
+
+def validate(cfg: Config) -> None:
+    """Value checks the schema cannot express; raises ConfigError naming the key."""
+    for key, choices in _CHOICES.items():
+        v = OmegaConf.select(cfg, key)
+        if v not in choices:
+            raise ConfigError(f"key '{key}': {v!r} is not one of {', '.join(map(str, choices))}")
+    for key in _POSITIVE:
+        v = OmegaConf.select(cfg, key)
+        if v <= 0:
+            raise ConfigError(f"key '{key}': must be > 0, got {v}")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("key 'rollout.temperature': must be > 0 (greedy decoding is for eval, not GRPO)")
+    if cfg.algorithm.dual_clip is not None and cfg.algorithm.dual_clip <= 1:
+        raise ConfigError(f"key 'algorithm.dual_clip': must be > 1, got {cfg.algorithm.dual_clip}")
+    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if n % cfg.algorithm.mini_batches:
+        raise ConfigError(f"key 'algorithm.mini_batches': {cfg.algorithm.mini_batches} does not divide the {n} sequences of a step")
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def flatten(cfg: Config) -> dict[str, Any]:
+    """Dotted-key → value, for MLflow params."""
+    out: dict[str, Any] = {}
+
+    def rec(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                rec(v, f"{prefix}{k}." if not isinstance(v, dict) or v else f"{prefix}{k}")
+            if not node and prefix:
+                out[prefix.rstrip(".")] = "{}"
+        else:
+            out[prefix.rstrip(".")] = node
+
+    rec(OmegaConf.to_container(cfg, resolve=True), "")
+    return out

@@ -1,0 +1,55 @@
+"""``gearlab eval``: greedy accuracy and unbiased pass@k of a model on a task's test split."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gearlab.config import Config, ConfigError
+from gearlab.metrics import pass_at_k
+from gearlab.rollout import HFRolloutEngine, SamplingParams
+from gearlab.tasks.base import get_task
+
+
+def _load(cfg: Config):
+    from gearlab.train import load_policy
+
+    ckpt = cfg.eval.checkpoint
+    if ckpt is None or Path(ckpt).is_dir():
+        if ckpt is not None:
+            cfg.model.name_or_path = ckpt
+        return load_policy(cfg)
+    if not Path(ckpt).is_file():
+        raise ConfigError(f"key 'eval.checkpoint': not found: {ckpt}")
+    model, tok, name = load_policy(cfg)  # the architecture; weights come from the checkpoint
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
+    model.load_state_dict(policy_state)
+    return model, tok, f"{name}@{ckpt}"
+
+
+@torch.no_grad()
+def evaluate(cfg: Config) -> dict[str, Any]:
+    task = get_task(cfg.task.name, **dict(cfg.task.options))
+    model, tok, name = _load(cfg)
+    if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"):
+        model = model.cuda()
+    problems = task.problems("test", cfg.eval.num_problems, cfg.trainer.seed)
+    engine = HFRolloutEngine(tok, task, batch_size=cfg.rollout.batch_size)
+    t0 = time.time()
+    greedy = engine.generate(model, problems, group_size=1, seed=cfg.trainer.seed,
+                             sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
+    k = cfg.eval.k
+    sampled = engine.generate(model, problems, group_size=k, seed=cfg.trainer.seed + 1,
+                              sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.eval.temperature,
+                                                      top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
+    correct = (sampled.rewards >= 1 - 1e-6).float().view(-1, k).sum(-1)
+    return {
+        "model": name, "task": cfg.task.name, "problems": len(problems),
+        "greedy_accuracy": float((greedy.rewards >= 1 - 1e-6).float().mean()),
+        f"avg@{k}": float(correct.mean() / k),
+        f"pass@{k}": float(pass_at_k(correct, k, k).mean()),
+        "seconds": round(time.time() - t0, 2),
+    }

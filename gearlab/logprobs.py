@@ -1,0 +1,97 @@
+"""Per-token log-probs, entropy and teacher KL from hidden states, in position chunks.
+
+The LM head runs on ``chunk_size`` positions at a time and only the [B, T] results are kept, so a
+float32 B×T×V logits tensor never exists (Qwen3's V = 151,936 makes it GBs). With gradients,
+each chunk is recomputed in the backward pass (activation checkpointing of the head), so the
+autograd graph does not keep the chunk's logits either. Logits are divided by the sampling
+temperature first, as verl and TRL do (methods.md §1.11).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """[B, L] → [B, L] position ids that skip left padding (as HF ``generate`` builds them)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp_(min=0)
+
+
+def response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, response_len: int) -> Tensor:
+    """Last hidden states at the positions that PREDICT the response tokens.
+
+    input_ids / attention_mask: [B, P+T] (prompt left-padded to P, response right-padded to T).
+    Returns [B, T, H]: hidden state at position P-1+t predicts response token t.
+    """
+    base = getattr(model, model.base_model_prefix)
+    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    logits = head(hidden).float() / temperature  # [n, V]
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        ent = lse - (probs * logits).sum(-1)
+    else:
+        ent = torch.zeros_like(logp)
+    return logp, ent
+
+
+def token_logprobs(
+    hidden: Tensor,
+    head: nn.Module,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """log π(y_t) and (optionally) the entropy H_t, chunked over the B·T positions.
+
+    hidden [B, T, H], targets [B, T] long → (logprobs [B, T] float32, entropy [B, T] float32 | None).
+    Differentiable when ``hidden`` requires grad (the head's logits are recomputed in backward).
+    """
+    B, T, Hd = hidden.shape
+    flat_h, flat_y = hidden.reshape(B * T, Hd), targets.reshape(B * T)
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    lps, ents = [], []
+    for s in range(0, B * T, chunk_size):
+        h, y = flat_h[s : s + chunk_size], flat_y[s : s + chunk_size]
+        if need_grad:
+            lp, ent = checkpoint(_chunk_stats, h, head, y, temperature, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(h, head, y, temperature, with_entropy)
+        lps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(lps).view(B, T) if lps else hidden.new_zeros(B, T, dtype=torch.float32)
+    ent_out = (torch.cat(ents).view(B, T) if ents else logp.new_zeros(B, T)) if with_entropy else None
+    return logp, ent_out
+
+
+@torch.no_grad()
+def token_kl(student_hidden: Tensor, teacher_hidden: Tensor, head: nn.Module, *, temperature: float = 1.0, chunk_size: int = 256) -> Tensor:
+    """Full-vocabulary reverse KL(π_S ‖ π_T) at every position, in chunks, without gradient.
+
+    student_hidden, teacher_hidden [B, T, H] (aligned on the same response tokens) → [B, T] float32, nats.
+    """
+    B, T, Hd = student_hidden.shape
+    hs, ht = student_hidden.reshape(B * T, Hd), teacher_hidden.reshape(B * T, Hd)
+    out = []
+    for s in range(0, B * T, chunk_size):
+        ls = F.log_softmax(head(hs[s : s + chunk_size]).float() / temperature, dim=-1)
+        lt = F.log_softmax(head(ht[s : s + chunk_size]).float() / temperature, dim=-1)
+        out.append((ls.exp() * (ls - lt)).sum(-1))
+    return torch.cat(out).view(B, T) if out else student_hidden.new_zeros(B, T, dtype=torch.float32)
+
+
+def naive_token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Reference implementation on full logits [B, T, V] (tests only): (logprobs, entropy) [B, T]."""
+    lp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, targets[..., None]).squeeze(-1), -(lp.exp() * lp).sum(-1)

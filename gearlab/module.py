@@ -1,0 +1,239 @@
+"""The GRPO recipe as a LightningModule (manual optimisation).
+
+One ``training_step`` = one RL iteration:
+rollout → rewards → group advantages → signals the assigner declared → token advantages →
+``ppo_epochs × mini_batches`` optimizer steps, each accumulated over micro-batches with the loss
+normalised by the GLOBAL token/sequence count of the optimizer step (all micro-batches, all ranks).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from gearlab import grpo
+from gearlab.batch import RolloutBatch
+from gearlab.config import Config
+from gearlab.credit import CreditAssigner, Signal
+from gearlab.logprobs import response_hidden, token_logprobs
+from gearlab.metrics import pass_at_k
+from gearlab.rollout import HFRolloutEngine, SamplingParams, step_seed
+from gearlab.signals import SignalProvider
+from gearlab.tasks.base import Task
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class GRPOModule(L.LightningModule):
+    def __init__(self, cfg: Config, policy: nn.Module, tokenizer: Any, task: Task, assigner: CreditAssigner) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.cfg = cfg
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.task = task
+        self.assigner = assigner
+        self.ref_policy: nn.Module | None = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.engine = HFRolloutEngine(tokenizer, task, batch_size=cfg.rollout.batch_size, reward_errors=cfg.trainer.reward_errors)
+        self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
+                                      micro_batch_size=cfg.algorithm.micro_batch_size)
+        self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                       top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.iterations_done = 0
+        self.nonfinite_streak = 0
+        self.totals = {"nonfinite_steps": 0, "reward_errors": 0, "generated_tokens": 0}
+        self.m_reward, self.m_acc, self.m_pass = MeanMetric(), MeanMetric(), MeanMetric()
+
+    # -- Lightning plumbing -------------------------------------------------------------------
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # prompts are Python objects; tensors are made on the right device later
+
+    def configure_optimizers(self):
+        o = self.cfg.optim
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        total = self.cfg.trainer.max_steps * self.cfg.algorithm.ppo_epochs * self.cfg.algorithm.mini_batches
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
+        return [opt], [sched]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["gearlab"] = {"iterations_done": self.iterations_done, "nonfinite_streak": self.nonfinite_streak,
+                                 "totals": dict(self.totals), "assigner": self.assigner.state_dict(),
+                                 "config": _to_container(self.cfg)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        st = checkpoint.get("gearlab", {})
+        self.iterations_done = st.get("iterations_done", 0)
+        self.nonfinite_streak = st.get("nonfinite_streak", 0)
+        self.totals.update(st.get("totals", {}))
+        self.assigner.load_state_dict(st.get("assigner", {}))
+
+    # -- one RL iteration ---------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        it = batch["iteration"]
+        cfg, alg = self.cfg, self.cfg.algorithm
+        G = cfg.rollout.group_size
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
+                                  seed=step_seed(cfg.trainer.seed, it, rank),
+                                  with_teacher=bool(self.assigner.needs & {Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL}),
+                                  group_offset=rank * len(batch["problems"]))
+        rb = _to_device(rb, self.device)
+        seq_adv = grpo.group_advantages(rb.rewards, rb.group_ids, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
+                                        leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
+
+        on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
+        ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy)
+        if ppass is not None:
+            rb = rb.with_(old_logprobs=ppass.logprobs)
+        if self.ref_policy is not None:
+            ref = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
+                                 micro_batch_size=alg.micro_batch_size)
+            rb = rb.with_(ref_logprobs=ref.compute(rb, frozenset())[0].logprobs)
+
+        credit = self.assigner.assign(rb, seq_adv, signals)
+        adv = credit.token_advantages.to(self.device).float()
+        loss_mask = rb.response_mask if credit.loss_mask is None else (credit.loss_mask.bool() & rb.response_mask)
+        if adv.shape != rb.response_ids.shape:
+            raise ValueError(f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected {tuple(rb.response_ids.shape)}")
+
+        upd = self._update(rb, adv, loss_mask, it)
+        self.iterations_done = it + 1
+        self.assigner.on_step_end(self.iterations_done)
+        self._log_iteration(rb, seq_adv, credit.metrics, upd)
+
+    def _update(self, rb: RolloutBatch, adv: Tensor, loss_mask: Tensor, it: int) -> dict[str, float]:
+        """ppo_epochs × mini_batches optimizer steps over the rollout; returns averaged diagnostics."""
+        alg = self.cfg.algorithm
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        B = rb.batch_size
+        mb_size = B // alg.mini_batches
+        logs: dict[str, list[float]] = {}
+        for epoch in range(alg.ppo_epochs):
+            g = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, it, 10_000 + epoch))
+            order = torch.randperm(B, generator=g) if alg.mini_batches > 1 else torch.arange(B)
+            for m in range(alg.mini_batches):
+                idx = order[m * mb_size : (m + 1) * mb_size].to(self.device)
+                mask = loss_mask[idx]
+                n_tok = self._global_sum(mask.sum().float())
+                n_seq = self._global_sum((mask.sum(-1) > 0).sum().float())
+                opt.zero_grad(set_to_none=True)
+                finite = torch.ones((), device=self.device)
+                for s in range(0, idx.numel(), alg.micro_batch_size):
+                    mi = idx[s : s + alg.micro_batch_size]
+                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], loss_mask[mi], n_tok, n_seq)
+                    if not torch.isfinite(loss):
+                        finite.zero_()
+                        break
+                    self.manual_backward(loss)
+                    for k, v in metrics.items():
+                        logs.setdefault(k, []).append(float(v))
+                if self._global_sum(1.0 - finite) > 0:  # every rank skips together
+                    opt.zero_grad(set_to_none=True)
+                    self._on_nonfinite()
+                    continue
+                self.nonfinite_streak = 0
+                if self.cfg.optim.grad_clip > 0:
+                    gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
+                    logs.setdefault("grad_norm", []).append(float(gn))
+                opt.step()
+                sched.step()
+        return {k: sum(v) / len(v) for k, v in logs.items()}
+
+    def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, n_tok: Tensor, n_seq: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        alg = self.cfg.algorithm
+        dp = self.trainer.world_size if self._trainer is not None else 1
+        counts = dict(global_tokens=n_tok, global_seqs=n_seq, loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
+        hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len)
+        logp, ent = token_logprobs(hidden, self.policy.get_output_embeddings(), mb.response_ids,
+                                   temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
+                                   with_entropy=alg.entropy_coef > 0)
+        old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+        loss, metrics = grpo.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                         dual_clip=alg.dual_clip, agg=alg.agg, **counts)
+        metrics = dict(metrics, pg_loss=loss.detach())
+        if alg.kl_coef > 0:
+            kl = grpo.aggregate(grpo.kl_penalty(logp, mb.ref_logprobs, alg.kl_kind), mask, alg.agg, **counts)
+            loss = loss + alg.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        if alg.entropy_coef > 0:
+            eb = grpo.aggregate(ent, mask, alg.agg, **counts)
+            loss = loss - alg.entropy_coef * eb
+            metrics["entropy_bonus"] = eb.detach()
+        return loss, metrics
+
+    def _global_sum(self, x: Tensor | float) -> Tensor:
+        t = torch.as_tensor(x, dtype=torch.float32, device=self.device)
+        if self._trainer is None or self.trainer.world_size == 1:
+            return t
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="sum")
+
+    def _on_nonfinite(self) -> None:
+        self.nonfinite_streak += 1
+        self.totals["nonfinite_steps"] += 1
+        if self.nonfinite_streak >= self.cfg.trainer.max_nonfinite:
+            raise NonFiniteLossError(
+                f"{self.nonfinite_streak} consecutive optimizer steps had a non-finite loss; stopping "
+                f"(the last good checkpoint is kept)")
+
+    # -- metrics --------------------------------------------------------------------------------
+    def _log_iteration(self, rb: RolloutBatch, seq_adv: Tensor, credit_metrics: dict[str, float], upd: dict[str, float]) -> None:
+        G = self.cfg.rollout.group_size
+        correct = (rb.rewards >= 1.0 - 1e-6).float()
+        self.m_reward.update(rb.rewards)
+        self.m_acc.update(correct)
+        self.m_pass.update(pass_at_k(correct.view(-1, G).sum(-1), G, G))
+        reward, acc, pk = self.m_reward.compute(), self.m_acc.compute(), self.m_pass.compute()
+        for m in (self.m_reward, self.m_acc, self.m_pass):
+            m.reset()
+        self.totals["reward_errors"] += int(rb.meta.get("reward_errors", 0))
+        gen_tokens = int(self._global_sum(rb.attention_mask.sum().float()))
+        self.totals["generated_tokens"] += gen_tokens
+        self.log("reward", reward, prog_bar=True, on_step=True)
+        self.log("acc", acc, prog_bar=True, on_step=True)
+        lens = rb.response_mask.sum(-1).float()
+        out = {
+            "train/reward": reward, "train/accuracy": acc, f"train/pass@{G}": pk,
+            "train/frac_zero_std": grpo.zero_std_fraction(rb.rewards, rb.group_ids),
+            "train/response_len": lens.mean(), "train/adv_abs_mean": seq_adv.abs().mean(),
+            "train/iteration": float(self.iterations_done), "train/lr": self.lr_schedulers().get_last_lr()[0],
+            "train/generated_tokens_total": float(self.totals["generated_tokens"]),
+            "train/nonfinite_steps_total": float(self.totals["nonfinite_steps"]),
+            "train/reward_errors_total": float(self.totals["reward_errors"]),
+        }
+        out.update({f"update/{k}": v for k, v in upd.items()})
+        out.update({f"credit/{k}": v for k, v in credit_metrics.items()})
+        self.log_dict({k: float(v) for k, v in out.items()}, on_step=True, prog_bar=False)
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (linear warmup, then constant/cosine/linear decay)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
+    return min_ratio + (1 - min_ratio) * decay
+
+
+def _to_device(rb: RolloutBatch, device: torch.device) -> RolloutBatch:
+    if device.type == "cpu":
+        return rb
+    fields = {k: v.to(device) for k, v in vars(rb).items() if isinstance(v, Tensor)}
+    return rb.with_(**fields)
+
+
+def _to_container(cfg: Config) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

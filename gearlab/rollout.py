@@ -1,0 +1,155 @@
+"""Rollout engine on Hugging Face ``generate``: G samples per prompt, token-in/token-out.
+
+The sampled token ids are kept exactly as generated (no decode → re-encode round trip); text is
+decoded only to score it. Sampling is seeded per step from the run's seed, inside
+``torch.random.fork_rng`` so the rest of the program's RNG stream is untouched and a resumed run
+draws the same samples as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gearlab.batch import RolloutBatch
+from gearlab.tasks.base import Problem, Task
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+
+@dataclass
+class RewardStats:
+    errors: int = 0
+
+
+class RolloutEngine(Protocol):
+    def generate(self, model: nn.Module, problems: Sequence[Problem], *, group_size: int, sampling: SamplingParams,
+                 seed: int, with_teacher: bool = False) -> RolloutBatch: ...
+
+
+def step_seed(base_seed: int, step: int, rank: int = 0) -> int:
+    """A distinct, reproducible seed per (run seed, step, rank)."""
+    return (base_seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+class HFRolloutEngine:
+    """Batched sampling with ``model.generate``; rewards from the task."""
+
+    def __init__(self, tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero") -> None:
+        self.tok = tokenizer
+        self.task = task
+        self.batch_size = batch_size
+        self.reward_errors = reward_errors
+        self.last_reward_errors = 0
+
+    def encode_prompts(self, problems: Sequence[Problem], *, privileged: bool = False) -> tuple[Tensor, Tensor]:
+        """Chat-formatted, left-padded prompt ids and mask [N, P]."""
+        rows = []
+        for p in problems:
+            msgs = self.task.messages(p, privileged=privileged)
+            if getattr(self.tok, "chat_template", None):
+                ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                if hasattr(ids, "keys"):  # transformers ≥5 may return a BatchEncoding
+                    ids = ids["input_ids"]
+            else:
+                ids = self.tok("\n".join(m["content"] for m in msgs) + "\n", add_special_tokens=True)["input_ids"]
+            rows.append(list(ids))
+        return _left_pad(rows, self.tok.pad_token_id)
+
+    def _stop_ids(self) -> list[int]:
+        ids = {self.tok.eos_token_id}
+        for name in ("<|im_end|>", "<|endoftext|>"):
+            tid = self.tok.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != self.tok.unk_token_id and tid is not None:
+                ids.add(tid)
+        return sorted(i for i in ids if i is not None)
+
+    @torch.no_grad()
+    def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int) -> tuple[Tensor, Tensor]:
+        """Generate for each prompt row: (response_ids [N, T] right-padded, response_mask [N, T] bool).
+
+        A response ends at (and includes) its first stop token; everything after is padding.
+        """
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        stop = self._stop_ids()
+        outs: list[Tensor] = []
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                for s in range(0, prompt_ids.shape[0], self.batch_size):
+                    ids = prompt_ids[s : s + self.batch_size].to(device)
+                    mask = prompt_mask[s : s + self.batch_size].to(device)
+                    kw = dict(do_sample=False) if sampling.greedy else dict(
+                        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+                    gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
+                                         eos_token_id=stop, pad_token_id=self.tok.pad_token_id, **kw)
+                    outs.append(gen[:, ids.shape[1]:].cpu())
+        finally:
+            model.train(was_training)
+        T = max(o.shape[1] for o in outs)
+        resp = torch.cat([torch.nn.functional.pad(o, (0, T - o.shape[1]), value=self.tok.pad_token_id) for o in outs])
+        is_stop = torch.isin(resp, torch.tensor(stop))
+        # tokens after the first stop token are padding; the stop token itself is generated (and trained on)
+        after_stop = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
+        mask = ~after_stop
+        resp = resp.masked_fill(after_stop, self.tok.pad_token_id)
+        return resp, mask
+
+    def score(self, problems: Sequence[Problem], texts: Sequence[str]) -> Tensor:
+        """Rewards [N]; a reward function that raises scores 0 (counted) unless reward_errors='raise'."""
+        out, errors = [], 0
+        for p, t in zip(problems, texts):
+            try:
+                r = float(self.task.reward(p, t))
+                if not math.isfinite(r):
+                    raise ValueError(f"non-finite reward {r}")
+            except Exception:
+                if self.reward_errors == "raise":
+                    raise
+                r, errors = 0.0, errors + 1
+            out.append(r)
+        self.last_reward_errors = errors
+        return torch.tensor(out, dtype=torch.float32)
+
+    def generate(self, model: nn.Module, problems: Sequence[Problem], *, group_size: int, sampling: SamplingParams,
+                 seed: int, with_teacher: bool = False, group_offset: int = 0) -> RolloutBatch:
+        """Sample ``group_size`` responses per problem and score them. Row i·G+j is sample j of problem i."""
+        prompt_ids, prompt_mask = self.encode_prompts(problems)
+        rep = lambda t: t.repeat_interleave(group_size, dim=0)  # noqa: E731
+        prompt_ids, prompt_mask = rep(prompt_ids), rep(prompt_mask)
+        expanded = [p for p in problems for _ in range(group_size)]
+        resp, rmask = self.sample(model, prompt_ids, prompt_mask, sampling, seed)
+        texts = self.tok.batch_decode(resp.masked_fill(~rmask, self.tok.pad_token_id), skip_special_tokens=True)
+        rewards = self.score(expanded, texts)
+        teacher = {}
+        if with_teacher:
+            tids, tmask = self.encode_prompts(problems, privileged=True)
+            teacher = dict(teacher_prompt_ids=rep(tids), teacher_prompt_mask=rep(tmask))
+        group_ids = torch.arange(len(problems)).repeat_interleave(group_size) + group_offset
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=rmask,
+            group_ids=group_ids, rewards=rewards, **teacher,
+            meta={"answers": [p.answer for p in expanded], "texts": list(texts), "reward_errors": self.last_reward_errors},
+        )

@@ -1,0 +1,184 @@
+"""Build everything from a Config and run ``Trainer.fit``: the body of ``gearlab train``.
+
+Order matters for "bad input fails before any work": ``preflight`` checks the model path, task
+and assigner (cheap) before a model is loaded or a run is created.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+
+from gearlab import credit
+from gearlab.config import Config, ConfigError, to_yaml
+from gearlab.data import PromptDataModule
+from gearlab.module import GRPOModule, NonFiniteLossError
+from gearlab.tasks.base import Task, get_task
+from gearlab.tracking import make_logger
+
+log = logging.getLogger("gearlab")
+EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-random")
+
+
+def run_dir(cfg: Config) -> Path:
+    name = cfg.trainer.run_name or f"{cfg.task.name}-{cfg.assigner.name}-s{cfg.trainer.seed}"
+    return Path(cfg.trainer.output_dir) / name
+
+
+def embedded_dir(cfg: Config, name: str) -> Path:
+    return Path(cfg.trainer.output_dir) / "embedded" / name.split(":", 1)[1]
+
+
+def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
+    """Validate what the schema cannot (model path, task, assigner options) without loading weights."""
+    ref = cfg.model.name_or_path
+    if ref.startswith("embedded:"):
+        if ref not in EMBEDDED:
+            raise ConfigError(f"key 'model.name_or_path': unknown embedded model {ref!r}; known: {', '.join(EMBEDDED)}")
+    elif ref.startswith((".", "/", "~")) or os.sep in ref and not _looks_like_hub_id(ref):
+        if not Path(ref).expanduser().is_dir():
+            raise ConfigError(f"key 'model.name_or_path': model folder not found: {ref}")
+    for spec in cfg.assigner.plugins:
+        try:
+            credit.load_module(spec)
+        except (ImportError, FileNotFoundError) as e:
+            raise ConfigError(f"key 'assigner.plugins': cannot import {spec!r}: {e}") from None
+    try:
+        task = get_task(cfg.task.name, **dict(cfg.task.options))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"key 'task': {e}") from None
+    try:
+        assigner = credit.build(cfg.assigner.name, dict(cfg.assigner.options))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"key 'assigner': {str(e).strip(chr(34))}") from None
+    return task, assigner
+
+
+def _looks_like_hub_id(ref: str) -> bool:
+    parts = ref.split("/")
+    return len(parts) == 2 and all(parts) and not Path(ref).exists()
+
+
+def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Module, Any, str]:
+    """(model, tokenizer, model name). Embedded models are made (and warm-started) on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = cfg.model.name_or_path
+    path: str = ref
+    if ref == "embedded:tiny-random":
+        from gearlab.models.tiny import make_tiny
+
+        d = embedded_dir(cfg, ref)
+        if not (d / "config.json").is_file():
+            make_tiny(d, seed=0)
+        path = str(d)
+    elif ref == "embedded:tiny-arith":
+        d = embedded_dir(cfg, ref)
+        if not (d / "config.json").is_file():
+            log.warning("no warm-started model at %s: running `gearlab warmstart` first", d)
+            run_warmstart(cfg)
+        path = str(d)
+    cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.dtype, torch.bfloat16 if cuda else torch.float32)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    return model, tok, ref
+
+
+def run_warmstart(cfg: Config) -> dict[str, Any]:
+    """Warm-start the embedded tiny model on the configured task (``gearlab warmstart``)."""
+    from gearlab.warmstart import warmstart
+
+    task = get_task(cfg.task.name, **dict(cfg.task.options))
+    out = embedded_dir(cfg, "embedded:tiny-arith")
+    w = cfg.warmstart
+    return warmstart(out, task=task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.trainer.seed,
+                     max_minutes=w.max_minutes)
+
+
+class IterationCheckpoint(Callback):
+    """Writes ``last.ckpt`` atomically every ``every`` iterations and at the end, at iteration boundaries
+    only (so resuming is exact); the resolved config is written beside it."""
+
+    def __init__(self, dirpath: Path, every: int, total: int, cfg_yaml: str) -> None:
+        self.dir, self.every, self.total, self.cfg_yaml = dirpath, every, total, cfg_yaml
+
+    @property
+    def last(self) -> Path:
+        return self.dir / "last.ckpt"
+
+    def save(self, trainer: L.Trainer, name: str = "last.ckpt") -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{name}.tmp"
+        trainer.save_checkpoint(tmp)
+        if trainer.is_global_zero:
+            os.replace(tmp, self.dir / name)
+            (self.dir / "config.yaml").write_text(self.cfg_yaml)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        it = pl_module.iterations_done
+        if it % self.every == 0 or it == self.total:
+            self.save(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, NonFiniteLossError):
+            self.save(trainer, "nonfinite.ckpt")  # for inspection; last.ckpt stays the last good boundary
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    mlflow_run_id: str
+    tracking_uri: str
+    metrics: dict[str, float]
+
+
+def train(cfg: Config) -> TrainResult:
+    task, assigner = preflight(cfg)
+    rdir = run_dir(cfg)
+    ckpt_dir = rdir / "checkpoints"
+    resume: str | None = None
+    if cfg.trainer.resume == "auto":
+        resume = str(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").is_file() else None
+    elif cfg.trainer.resume != "never":
+        if not Path(cfg.trainer.resume).exists():
+            raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
+        resume = cfg.trainer.resume
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    assigner.setup(seed=cfg.trainer.seed)
+    model, tok, model_name = load_policy(cfg)
+    rdir.mkdir(parents=True, exist_ok=True)
+    (rdir / "config.yaml").write_text(to_yaml(cfg))
+    logger = make_logger(cfg, rdir, model_name=model_name)
+    module = GRPOModule(cfg, model, tok, task, assigner)
+    dm = PromptDataModule(task, prompts_per_step=cfg.rollout.prompts_per_step, num_steps=cfg.trainer.max_steps,
+                          seed=cfg.trainer.seed)
+    ckpt = IterationCheckpoint(ckpt_dir, cfg.trainer.checkpoint_every, cfg.trainer.max_steps, to_yaml(cfg))
+    callbacks: list[Callback] = [ckpt]
+    if cfg.trainer.progress_bar:
+        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    trainer = L.Trainer(
+        accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, precision=cfg.trainer.precision,
+        max_epochs=1, max_steps=-1, logger=logger, callbacks=callbacks, log_every_n_steps=cfg.trainer.log_every,
+        enable_checkpointing=False, enable_progress_bar=cfg.trainer.progress_bar, enable_model_summary=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(rdir),
+    )
+    if resume:
+        log.warning("resuming from %s", resume)
+    trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    if trainer.is_global_zero:
+        module.policy.save_pretrained(rdir / "final")
+        tok.save_pretrained(rdir / "final")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    (rdir / "summary.json").write_text(json.dumps({"mlflow_run_id": logger.run_id, "metrics": metrics}, indent=2))
+    return TrainResult(rdir, logger.run_id, logger._tracking_uri, metrics)
