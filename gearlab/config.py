@@ -121,7 +121,7 @@ class LoggingConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = 600
+    steps: int = 450
     batch_size: int = 32
     lr: float = 3e-3
     max_minutes: float | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any
 
 import lightning as L
@@ -36,7 +37,7 @@ class GRPOModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.cfg = cfg
-        self.policy = policy
+        self.policy = policy.train()  # from_pretrained returns eval mode
         self.tokenizer = tokenizer
         self.task = task
         self.assigner = assigner
@@ -82,6 +83,7 @@ class GRPOModule(L.LightningModule):
         cfg, alg = self.cfg, self.cfg.algorithm
         G = cfg.rollout.group_size
         rank = self.trainer.global_rank if self._trainer is not None else 0
+        t0 = time.perf_counter()
         rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
                                   seed=step_seed(cfg.trainer.seed, it, rank),
                                   with_teacher=bool(self.assigner.needs & {Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL}),
@@ -90,6 +92,7 @@ class GRPOModule(L.LightningModule):
         seq_adv = grpo.group_advantages(rb.rewards, rb.group_ids, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
                                         leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
 
+        t1 = time.perf_counter()
         on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
         ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy)
         if ppass is not None:
@@ -105,7 +108,10 @@ class GRPOModule(L.LightningModule):
         if adv.shape != rb.response_ids.shape:
             raise ValueError(f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected {tuple(rb.response_ids.shape)}")
 
+        t2 = time.perf_counter()
         upd = self._update(rb, adv, loss_mask, it)
+        t3 = time.perf_counter()
+        upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
         self.iterations_done = it + 1
         self.assigner.on_step_end(self.iterations_done)
         self._log_iteration(rb, seq_adv, credit.metrics, upd)
@@ -210,7 +216,7 @@ class GRPOModule(L.LightningModule):
             "train/nonfinite_steps_total": float(self.totals["nonfinite_steps"]),
             "train/reward_errors_total": float(self.totals["reward_errors"]),
         }
-        out.update({f"update/{k}": v for k, v in upd.items()})
+        out.update({(f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"): v for k, v in upd.items()})
         out.update({f"credit/{k}": v for k, v in credit_metrics.items()})
         self.log_dict({k: float(v) for k, v in out.items()}, on_step=True, prog_bar=False)
 

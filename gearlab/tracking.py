@@ -51,7 +51,14 @@ def make_logger(cfg: Config, run_dir: Path, *, model_name: str) -> GearlabMLFlow
             "model": model_name, "git_sha": git_sha(), **dict(cfg.logging.tags)}
     logger = GearlabMLFlowLogger(experiment_name=cfg.logging.experiment, run_name=run_dir.name,
                                  tracking_uri=tracking_uri(cfg), tags=tags, run_id=run_id)
+    # Lightning calls mlflow.set_tracking_uri, which also exports MLFLOW_TRACKING_URI: undo that so a
+    # later run in this process (a comparison, a test) does not inherit this run's store.
+    env_before = os.environ.get("MLFLOW_TRACKING_URI")
     client, rid = logger.experiment, logger.run_id
+    if env_before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = env_before
     if run_id is None:
         run_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(rid)

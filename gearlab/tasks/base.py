@@ -1,0 +1,173 @@
+"""Task interface: problems with ground truth, chat prompts (plain and privileged) and a reward.
+
+A `Task` yields `Problem`s, turns one into chat messages for the policy (plain) or for the
+self-distillation teacher (privileged: the same question plus the ground-truth answer), and scores
+a completion with an outcome reward. Concrete tasks register themselves in `TASKS`.
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+__all__ = [
+    "Problem",
+    "Task",
+    "TASKS",
+    "register_task",
+    "get_task",
+    "load_jsonl_problems",
+    "privileged_suffix",
+]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One question with its ground truth.
+
+    prompt:   user-facing question text (no chat markup)
+    answer:   ground-truth final answer, as a string
+    solution: worked solution ending with the final-answer line (may be "" for loaded data)
+    meta:     free-form extra data (e.g. the operands of a generated problem)
+    """
+
+    prompt: str
+    answer: str
+    solution: str = ""
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+def privileged_suffix(answer: str) -> str:
+    """Text appended to the user message in the privileged (teacher) context."""
+    return f"\n(Reference answer: {answer})"
+
+
+class Task(ABC):
+    """A source of problems plus a verifier.
+
+    Subclasses set `name` and implement `problems`, `extract_answer` and may override `reward`,
+    `system_prompt` or `messages`.
+    """
+
+    name: str = "task"
+    #: Optional system message; None = no system turn (keeps prompts short for tiny models).
+    system_prompt: str | None = None
+
+    @abstractmethod
+    def problems(self, split: str, n: int, seed: int = 0) -> list[Problem]:
+        """`n` problems of `split` ("train" or "test"), deterministic given `seed`.
+
+        The train and test splits never share a problem.
+        """
+
+    @abstractmethod
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer stated in `completion`, normalised, or None if there is none."""
+
+    def messages(self, problem: Problem, privileged: bool = False) -> list[dict[str, str]]:
+        """Chat messages for `problem`: [system?] + user.
+
+        privileged=True appends the ground-truth answer to the user message: this is the context
+        of the self-distillation teacher, which scores the student's response given the answer.
+        """
+        user = problem.prompt + (privileged_suffix(problem.answer) if privileged else "")
+        msgs: list[dict[str, str]] = []
+        if self.system_prompt:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        msgs.append({"role": "user", "content": user})
+        return msgs
+
+    def normalize_answer(self, answer: str) -> str:
+        """Canonical form used to compare answers (default: stripped text)."""
+        return answer.strip()
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """1.0 if the extracted final answer equals the ground truth, else 0.0. Never raises."""
+        try:
+            got = self.extract_answer(completion)
+        except Exception:  # a verifier must not crash a rollout on odd text
+            return 0.0
+        if got is None:
+            return 0.0
+        return 1.0 if got == self.normalize_answer(problem.answer) else 0.0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def load_jsonl_problems(path: str | Path) -> list[Problem]:
+    """Read problems from a JSON-lines file with keys "prompt", "answer" and optional "solution".
+
+    Other keys go to `Problem.meta`. Blank lines are skipped. A bad row raises ValueError naming
+    the file and the 1-based line number.
+    """
+    path = Path(path)
+    out: list[Problem] = []
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: row is not a JSON object")
+            for key in ("prompt", "answer"):
+                if key not in row or row[key] is None:
+                    raise ValueError(f"{path}:{line_no}: row has no {key!r}")
+            meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "solution")}
+            out.append(
+                Problem(
+                    prompt=str(row["prompt"]),
+                    answer=str(row["answer"]),
+                    solution=str(row.get("solution") or ""),
+                    meta=meta,
+                )
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+TASKS: dict[str, type[Task]] = {}
+_DEFAULTS: dict[str, dict[str, Any]] = {}
+
+T = TypeVar("T", bound=type[Task])
+
+
+def register_task(name: str, **defaults: Any) -> Callable[[T], T]:
+    """Class decorator: register a Task class under `name`, with default constructor options.
+
+    The same class may be registered under several names with different defaults
+    (e.g. "arith" and "arith_hard"). Duplicate names are an error.
+    """
+
+    def deco(cls: T) -> T:
+        if name in TASKS:
+            raise ValueError(f"task {name!r} is already registered ({TASKS[name].__name__})")
+        TASKS[name] = cls
+        _DEFAULTS[name] = dict(defaults)
+        return cls
+
+    return deco
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """Instantiate the task registered as `name`; `options` override its registered defaults."""
+    if name not in TASKS:
+        _import_builtin_tasks()
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    kwargs = {**_DEFAULTS[name], **options}
+    task = TASKS[name](**kwargs)
+    task.name = name
+    return task
+
+
+def _import_builtin_tasks() -> None:
+    # Imported lazily so `base` has no dependency on concrete tasks (they import `base`).
+    from gearlab.tasks import arithmetic  # noqa: F401

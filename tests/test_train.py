@@ -1,0 +1,155 @@
+"""End-to-end `gearlab train` on the tiny model: MLflow record, exact resume, bad-input handling."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mlflow
+import pytest
+import torch
+
+from gearlab.config import load_config
+from gearlab.train import train
+
+
+def _overrides(tmp_path, model_dir, *extra):
+    return [f"model.name_or_path={model_dir}", f"trainer.output_dir={tmp_path}", "trainer.max_steps=3",
+            "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
+            "algorithm.micro_batch_size=8", "trainer.progress_bar=false", "optim.lr=1e-3", *extra]
+
+
+def _params(run_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
+
+
+def test_train_logs_to_mlflow(tmp_path, tiny_model_dir):
+    res = train(load_config(_overrides(tmp_path, tiny_model_dir, "algorithm.mini_batches=2", "algorithm.kl_coef=0.01")))
+    client = mlflow.MlflowClient(res.tracking_uri)
+    run = client.get_run(res.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert {"assigner", "seed", "task", "model", "git_sha"} <= set(run.data.tags)
+    assert run.data.tags["assigner"] == "grpo" and run.data.params["rollout.group_size"] == "4"
+    hist = client.get_metric_history(res.mlflow_run_id, "train/reward")
+    assert sorted(m.step for m in hist) == [0, 1, 2]  # MLflow step = RL iteration
+    keys = set(run.data.metrics)
+    assert "train/pass_at_4" in keys and "update/clipfrac" in keys and "update/kl" in keys
+    assert not any(c in k for k in keys for c in "@()")
+    assert (res.run_dir / "checkpoints" / "last.ckpt").is_file() and (res.run_dir / "checkpoints" / "config.yaml").is_file()
+
+
+def test_resume_is_exact(tmp_path, tiny_model_dir):
+    """A run that crashes after iteration 2 and is resumed ends with the same parameters as an uninterrupted run."""
+    common = ["trainer.max_steps=4", "trainer.checkpoint_every=1", "algorithm.mini_batches=2",
+              "optim.schedule=cosine", "optim.warmup_steps=2"]
+    full = train(load_config(_overrides(tmp_path / "a", tiny_model_dir, *common)))
+
+    from gearlab import module as module_mod
+
+    original = module_mod.GRPOModule.training_step
+
+    def crash_at_2(self, batch, batch_idx):
+        if batch["iteration"] == 2:
+            raise KeyboardInterrupt  # like Ctrl-C in the middle of iteration 3
+        return original(self, batch, batch_idx)
+
+    cfg = load_config(_overrides(tmp_path / "b", tiny_model_dir, *common))
+    module_mod.GRPOModule.training_step = crash_at_2
+    try:
+        try:
+            train(cfg)
+        except (KeyboardInterrupt, SystemExit):
+            pass
+    finally:
+        module_mod.GRPOModule.training_step = original
+    ck = torch.load(tmp_path / "b" / f"{full.run_dir.name}" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ck["gearlab"]["iterations_done"] == 2
+    resumed = train(cfg)
+    assert resumed.mlflow_run_id == (tmp_path / "b" / full.run_dir.name / "mlflow_run_id").read_text()
+    a, b = _params(full.run_dir), _params(resumed.run_dir)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    client = mlflow.MlflowClient(resumed.tracking_uri)
+    assert len(client.get_metric_history(resumed.mlflow_run_id, "train/reward")) == 4
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["trainer.max_stepz=3"], "trainer.max_stepz"),
+    (["trainer.max_steps=three"], "trainer.max_steps"),
+    (["model.name_or_path=./no/such/model"], "model folder not found"),
+    (["assigner=no_such_method"], "no assigner named"),
+    (["assigner.options.bogus=1"], "assigner 'grpo'"),
+])
+def test_bad_config_is_one_line_exit_2(tmp_path, bad, needle):
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", f"trainer.output_dir={tmp_path}", *bad],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert not any(tmp_path.iterdir())  # no work started: nothing written
+
+
+def test_train_against_a_real_mlflow_server(tmp_path, tiny_model_dir, mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    res = train(load_config(_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=2", "logging.experiment=srv")))
+    assert res.tracking_uri == mlflow_server
+    client = mlflow.MlflowClient(mlflow_server)
+    run = client.get_run(res.mlflow_run_id)
+    assert run.info.status == "FINISHED" and len(client.get_metric_history(run.info.run_id, "train/accuracy")) == 2
+    assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert not (tmp_path / "mlflow.db").exists()  # nothing went to the local default
+
+
+def test_nonfinite_loss_skips_the_step_then_stops_with_a_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
+    from gearlab import grpo
+    from gearlab.module import NonFiniteLossError
+
+    real = grpo.policy_loss
+    calls = {"n": 0}
+
+    def flaky(*a, **k):  # the 1st optimizer step is poisoned, then the 3rd and everything after
+        calls["n"] += 1
+        loss, m = real(*a, **k)
+        return (loss * float("nan") if calls["n"] == 1 or calls["n"] >= 3 else loss), m
+
+    monkeypatch.setattr(grpo, "policy_loss", flaky)
+    cfg = load_config(_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=6", "trainer.max_nonfinite=2",
+                                 "algorithm.micro_batch_size=16"))
+    with pytest.raises(NonFiniteLossError, match="2 consecutive"):
+        train(cfg)
+    rdir = tmp_path / "arith-grpo-s0"
+    assert (rdir / "checkpoints" / "nonfinite.ckpt").is_file()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run((rdir / "mlflow_run_id").read_text())
+    assert run.info.status == "FAILED"
+    hist = client.get_metric_history(run.info.run_id, "train/nonfinite_steps_total")
+    assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [1.0, 1.0, 2.0]
+
+
+@pytest.fixture(scope="module")
+def flaky_task():
+    from gearlab.tasks.arithmetic import ArithmeticTask
+    from gearlab.tasks.base import register_task
+
+    @register_task("flaky_arith_for_tests")
+    class FlakyArith(ArithmeticTask):
+        def reward(self, problem, completion):
+            if len(completion) % 2:
+                raise RuntimeError("verifier crashed")
+            return super().reward(problem, completion)
+
+    return "flaky_arith_for_tests"
+
+
+def test_reward_errors_score_zero_and_are_counted(tmp_path, tiny_model_dir, flaky_task):
+    res = train(load_config(_overrides(tmp_path, tiny_model_dir, f"task.name={flaky_task}", "trainer.max_steps=2")))
+    client = mlflow.MlflowClient(res.tracking_uri)
+    errors = client.get_run(res.mlflow_run_id).data.metrics["train/reward_errors_total"]
+    assert errors > 0
+
+
+def test_reward_errors_can_stop_the_run(tmp_path, tiny_model_dir, flaky_task):
+    cfg = load_config(_overrides(tmp_path, tiny_model_dir, f"task.name={flaky_task}", "trainer.reward_errors=raise"))
+    with pytest.raises(RuntimeError, match="verifier crashed"):
+        train(cfg)
