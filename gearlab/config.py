@@ -42,8 +42,8 @@ class TaskConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    prompts_per_step: int = 8
-    group_size: int = 4
+    prompts_per_step: int = 16
+    group_size: int = 8
     max_new_tokens: int = 48
     temperature: float = 1.0
     top_p: float = 1.0
@@ -81,7 +81,7 @@ class AssignerConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-5
+    lr: float = 1e-4  # right for the 1.2M-param embedded model; use ~1e-6 for billion-parameter models
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
@@ -97,7 +97,7 @@ class SignalConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 30  # RL iterations (rollout + updates)
+    max_steps: int = 80  # RL iterations (rollout + updates)
     seed: int = 0
     accelerator: str = "auto"
     devices: int = 1

@@ -31,11 +31,13 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = [f"trainer.output_dir={tmp}", f"trainer.max_steps={iters}", "trainer.progress_bar=false",
                 "trainer.checkpoint_every=1000"]
+        # the warm-started model of `gearlab warmstart` run from this directory (made if missing)
         embedded = Path("runs/embedded/tiny-arith")
-        if embedded.is_dir():
-            base.append(f"model.name_or_path={embedded.resolve()}")
-        else:
-            base.append("model.name_or_path=embedded:tiny-random")
+        if not embedded.is_dir():
+            from gearlab.train import run_warmstart
+
+            run_warmstart(load_config(["trainer.output_dir=runs"]))
+        base.append(f"model.name_or_path={embedded.resolve()}")
         cfg = load_config(base + argv)
         t0 = time.perf_counter()
         res = train(cfg)
