@@ -153,3 +153,58 @@ def test_reward_errors_can_stop_the_run(tmp_path, tiny_model_dir, flaky_task):
     cfg = load_config(_overrides(tmp_path, tiny_model_dir, f"task.name={flaky_task}", "trainer.reward_errors=raise"))
     with pytest.raises(RuntimeError, match="verifier crashed"):
         train(cfg)
+
+
+def test_dataset_row_without_answer_names_file_and_row(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?"}\n')
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", "task.name=jsonl",
+                          f"task.options.train_path={data}", f"trainer.output_dir={tmp_path / 'out'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"{data}:2: row has no 'answer'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_and_help_commands(tmp_path, tiny_model_dir):
+    from gearlab.cli import main
+
+    assert main(["--help"]) == 0
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "eval", f"model.name_or_path={tiny_model_dir}",
+                          "eval.num_problems=8", "eval.k=2", "rollout.max_new_tokens=8", f"trainer.output_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    res = json.loads(out.stdout)
+    assert res["problems"] == 8 and 0 <= res["greedy_accuracy"] <= 1 and res["pass@2"] >= res["avg@2"]
+
+
+def test_killed_process_resumes_the_same_mlflow_run(tmp_path, tiny_model_dir):
+    """SIGKILL mid-run (no chance to clean up), then the same command again: it resumes from the last
+    checkpoint into the same MLflow run and finishes every iteration."""
+    import os
+    import signal
+    import time
+
+    args = [sys.executable, "-m", "gearlab.cli", "train",
+            *_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=8", "trainer.checkpoint_every=1")]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = tmp_path / "arith-grpo-s0" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if last.is_file() and torch.load(last, weights_only=False)["gearlab"]["iterations_done"] >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "training ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run_id = (tmp_path / "arith-grpo-s0" / "mlflow_run_id").read_text()
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert torch.load(last, weights_only=False)["gearlab"]["iterations_done"] == 8
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags.get("resumed") == "true"
+    assert {m.step for m in client.get_metric_history(run_id, "train/reward")} == set(range(8))
+    assert len(client.search_runs([run.info.experiment_id])) == 1

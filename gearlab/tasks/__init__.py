@@ -1,2 +1,2 @@
 """Tasks: problems with ground truth and a verifier reward."""
-from gearlab.tasks import arithmetic  # noqa: F401  (registers the built-in tasks)
+from gearlab.tasks import arithmetic, jsonl  # noqa: F401  (registers the built-in tasks)

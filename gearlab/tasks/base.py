@@ -170,4 +170,4 @@ def get_task(name: str, **options: Any) -> Task:
 
 def _import_builtin_tasks() -> None:
     # Imported lazily so `base` has no dependency on concrete tasks (they import `base`).
-    from gearlab.tasks import arithmetic  # noqa: F401
+    from gearlab.tasks import arithmetic, jsonl  # noqa: F401
