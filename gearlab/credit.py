@@ -28,8 +28,13 @@ class Signal(str, enum.Enum):
     response positions, computed without gradient on the (temperature-scaled) policy."""
 
     ENTROPY = "entropy"  # H_t of the policy, nats
+    LOGPROBS = "logprobs"  # log π_old(y_t) of the sampled tokens (the student's own view)
     TEACHER_LOGPROBS = "teacher_logprobs"  # log π_T(y_t | x ⊕ c, y_<t), privileged-context teacher
     TEACHER_KL = "teacher_kl"  # KL(π_S || π_T) over the full vocabulary at each position
+    TEACHER_ENTROPY = "teacher_entropy"  # H_t of the teacher
+    INPUT_GRAD_SALIENCY = "input_grad_saliency"  # OAR-G: |<dJ/de_t, e_t>| on reasoning tokens, 0 elsewhere
+    PERTURBATION_SALIENCY = "perturbation_saliency"  # OAR-P: effect of masking token t on the outcome
+    REASONING_MASK = "reasoning_mask"  # 1 on the response tokens before the final-answer span (float 0/1)
 
 
 @dataclass
@@ -56,9 +61,26 @@ class CreditAssigner(ABC):
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[Signal]] = frozenset()
+    # Promises checked by the contract kit (gearlab.contract / `gearlab check-assigner`):
+    preserves_sign: ClassVar[bool] = False  # sign(A_{i,t}) == sign(A_i) wherever A_{i,t} != 0
+    preserves_mass: ClassVar[bool] = False  # Σ_t A_{i,t} == N_i · A_i (N_i = generated tokens of i)
+    requires_turns: ClassVar[bool] = False  # needs batch.turn_ids / turn_rewards (multi-turn tasks only)
 
-    def setup(self, *, seed: int) -> None:
-        """Called once before training; the default does nothing."""
+    # Teacher of the teacher signals: "live" = the current policy weights (default), "frozen" = a copy
+    # re-synced every `teacher_sync_every` iterations (0 = never), "ema" = an exponential moving average
+    # of the policy with decay `teacher_ema`. "answer" / "solution" = what the privileged prompt adds.
+    teacher_mode: str = "live"
+    teacher_sync_every: int = 0
+    teacher_ema: float = 0.99
+    teacher_context: str = "answer"
+
+    def signal_options(self) -> dict[str, Any]:
+        """Options for the signal computations (e.g. saliency noise); read by the SignalProvider."""
+        return {}
+
+    def setup(self, *, seed: int, total_steps: int, task: Any) -> None:
+        """Called once before any work (also by preflight): validate against the task, e.g. a turn
+        method raises ValueError on a single-turn task. The default does nothing."""
 
     def on_step_end(self, step: int) -> None:
         """Called after each optimizer iteration (for schedules such as a decaying λ)."""

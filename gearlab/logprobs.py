@@ -76,17 +76,20 @@ def token_logprobs(
 
 
 @torch.no_grad()
-def token_kl(student_hidden: Tensor, teacher_hidden: Tensor, head: nn.Module, *, temperature: float = 1.0, chunk_size: int = 256) -> Tensor:
+def token_kl(student_hidden: Tensor, teacher_hidden: Tensor, head: nn.Module, *, temperature: float = 1.0,
+             chunk_size: int = 256, teacher_head: nn.Module | None = None) -> Tensor:
     """Full-vocabulary reverse KL(π_S ‖ π_T) at every position, in chunks, without gradient.
 
     student_hidden, teacher_hidden [B, T, H] (aligned on the same response tokens) → [B, T] float32, nats.
+    ``teacher_head``: the teacher's LM head when its weights differ (frozen / EMA teacher); default ``head``.
     """
+    thead = head if teacher_head is None else teacher_head
     B, T, Hd = student_hidden.shape
     hs, ht = student_hidden.reshape(B * T, Hd), teacher_hidden.reshape(B * T, Hd)
     out = []
     for s in range(0, B * T, chunk_size):
         ls = F.log_softmax(head(hs[s : s + chunk_size]).float() / temperature, dim=-1)
-        lt = F.log_softmax(head(ht[s : s + chunk_size]).float() / temperature, dim=-1)
+        lt = F.log_softmax(thead(ht[s : s + chunk_size]).float() / temperature, dim=-1)
         out.append((ls.exp() * (ls - lt)).sum(-1))
     return torch.cat(out).view(B, T) if out else student_hidden.new_zeros(B, T, dtype=torch.float32)
 

@@ -25,6 +25,7 @@ from gearlab.logprobs import response_hidden, token_logprobs
 from gearlab.metrics import pass_at_k
 from gearlab.rollout import HFRolloutEngine, SamplingParams, step_seed
 from gearlab.signals import SignalProvider
+from gearlab.teacher import Teacher, needs_teacher
 from gearlab.tasks.base import Task
 
 
@@ -46,7 +47,8 @@ class GRPOModule(L.LightningModule):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
         self.engine = HFRolloutEngine(tokenizer, task, batch_size=cfg.rollout.batch_size, reward_errors=cfg.trainer.reward_errors)
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
-                                      micro_batch_size=cfg.algorithm.micro_batch_size)
+                                      micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer)
+        self.teacher = Teacher(policy, assigner)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         self.iterations_done = 0
@@ -68,7 +70,7 @@ class GRPOModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["gearlab"] = {"iterations_done": self.iterations_done, "nonfinite_streak": self.nonfinite_streak,
                                  "totals": dict(self.totals), "assigner": self.assigner.state_dict(),
-                                 "config": _to_container(self.cfg)}
+                                 "teacher": self.teacher.state_dict(), "config": _to_container(self.cfg)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         st = checkpoint.get("gearlab", {})
@@ -76,6 +78,7 @@ class GRPOModule(L.LightningModule):
         self.nonfinite_streak = st.get("nonfinite_streak", 0)
         self.totals.update(st.get("totals", {}))
         self.assigner.load_state_dict(st.get("assigner", {}))
+        self.teacher.load_state_dict(st.get("teacher"))
 
     # -- one RL iteration ---------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -86,7 +89,7 @@ class GRPOModule(L.LightningModule):
         t0 = time.perf_counter()
         rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
                                   seed=step_seed(cfg.trainer.seed, it, rank),
-                                  with_teacher=bool(self.assigner.needs & {Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL}),
+                                  with_teacher=self.assigner.teacher_context if needs_teacher(self.assigner) else False,
                                   group_offset=rank * len(batch["problems"]))
         rb = _to_device(rb, self.device)
         seq_adv = grpo.group_advantages(rb.rewards, rb.group_ids, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
@@ -94,7 +97,8 @@ class GRPOModule(L.LightningModule):
 
         t1 = time.perf_counter()
         on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
-        ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy)
+        ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy, teacher=self.teacher.model,
+                                              options={"seed": step_seed(cfg.trainer.seed, it, rank), **self.assigner.signal_options()})
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)
         if self.ref_policy is not None:
@@ -114,6 +118,7 @@ class GRPOModule(L.LightningModule):
         upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
         self.iterations_done = it + 1
         self.assigner.on_step_end(self.iterations_done)
+        self.teacher.after_iteration(self.iterations_done)
         self._log_iteration(rb, seq_adv, credit.metrics, upd)
 
     def _update(self, rb: RolloutBatch, adv: Tensor, loss_mask: Tensor, it: int) -> dict[str, float]:
@@ -129,14 +134,15 @@ class GRPOModule(L.LightningModule):
             order = torch.randperm(B, generator=g) if alg.mini_batches > 1 else torch.arange(B)
             for m in range(alg.mini_batches):
                 idx = order[m * mb_size : (m + 1) * mb_size].to(self.device)
-                mask = loss_mask[idx]
-                n_tok = self._global_sum(mask.sum().float())
-                n_seq = self._global_sum((mask.sum(-1) > 0).sum().float())
+                # clamp: a mini-batch with no selected token has a zero loss, not 0/0
+                counts = {name: (self._global_sum(m[idx].sum().float()).clamp_min(1),
+                                 self._global_sum((m[idx].sum(-1) > 0).sum().float()).clamp_min(1))
+                          for name, m in (("pg", loss_mask), ("full", rb.response_mask))}
                 opt.zero_grad(set_to_none=True)
                 finite = torch.ones((), device=self.device)
                 for s in range(0, idx.numel(), alg.micro_batch_size):
                     mi = idx[s : s + alg.micro_batch_size]
-                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], loss_mask[mi], n_tok, n_seq)
+                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], loss_mask[mi], counts)
                     if not torch.isfinite(loss):
                         finite.zero_()
                         break
@@ -155,24 +161,27 @@ class GRPOModule(L.LightningModule):
                 sched.step()
         return {k: sum(v) / len(v) for k, v in logs.items()}
 
-    def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, n_tok: Tensor, n_seq: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, counts: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one micro-batch, already divided by the global counts: the policy-gradient term over
+        the assigner's loss mask, KL and entropy bonus over every generated token (as verl / the 80/20 code)."""
         alg = self.cfg.algorithm
         dp = self.trainer.world_size if self._trainer is not None else 1
-        counts = dict(global_tokens=n_tok, global_seqs=n_seq, loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
+        pg_counts = dict(global_tokens=counts["pg"][0], global_seqs=counts["pg"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
+        full_counts = dict(global_tokens=counts["full"][0], global_seqs=counts["full"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
         hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len)
         logp, ent = token_logprobs(hidden, self.policy.get_output_embeddings(), mb.response_ids,
                                    temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
                                    with_entropy=alg.entropy_coef > 0)
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
         loss, metrics = grpo.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                                         dual_clip=alg.dual_clip, agg=alg.agg, **counts)
+                                         dual_clip=alg.dual_clip, agg=alg.agg, **pg_counts)
         metrics = dict(metrics, pg_loss=loss.detach())
         if alg.kl_coef > 0:
-            kl = grpo.aggregate(grpo.kl_penalty(logp, mb.ref_logprobs, alg.kl_kind), mask, alg.agg, **counts)
+            kl = grpo.aggregate(grpo.kl_penalty(logp, mb.ref_logprobs, alg.kl_kind), mb.response_mask, alg.agg, **full_counts)
             loss = loss + alg.kl_coef * kl
             metrics["kl"] = kl.detach()
         if alg.entropy_coef > 0:
-            eb = grpo.aggregate(ent, mask, alg.agg, **counts)
+            eb = grpo.aggregate(ent, mb.response_mask, alg.agg, **full_counts)
             loss = loss - alg.entropy_coef * eb
             metrics["entropy_bonus"] = eb.detach()
         return loss, metrics

@@ -62,7 +62,7 @@ class HFRolloutEngine:
         self.reward_errors = reward_errors
         self.last_reward_errors = 0
 
-    def encode_prompts(self, problems: Sequence[Problem], *, privileged: bool = False) -> tuple[Tensor, Tensor]:
+    def encode_prompts(self, problems: Sequence[Problem], *, privileged: bool | str = False) -> tuple[Tensor, Tensor]:
         """Chat-formatted, left-padded prompt ids and mask [N, P]."""
         rows = []
         for p in problems:
@@ -134,8 +134,11 @@ class HFRolloutEngine:
         return torch.tensor(out, dtype=torch.float32)
 
     def generate(self, model: nn.Module, problems: Sequence[Problem], *, group_size: int, sampling: SamplingParams,
-                 seed: int, with_teacher: bool = False, group_offset: int = 0) -> RolloutBatch:
-        """Sample ``group_size`` responses per problem and score them. Row i·G+j is sample j of problem i."""
+                 seed: int, with_teacher: bool | str = False, group_offset: int = 0) -> RolloutBatch:
+        """Sample ``group_size`` responses per problem and score them. Row i·G+j is sample j of problem i.
+
+        with_teacher: False, or the privileged context of the teacher prompt ("answer" / "solution" / True).
+        """
         prompt_ids, prompt_mask = self.encode_prompts(problems)
         rep = lambda t: t.repeat_interleave(group_size, dim=0)  # noqa: E731
         prompt_ids, prompt_mask = rep(prompt_ids), rep(prompt_mask)
@@ -145,7 +148,7 @@ class HFRolloutEngine:
         rewards = self.score(expanded, texts)
         teacher = {}
         if with_teacher:
-            tids, tmask = self.encode_prompts(problems, privileged=True)
+            tids, tmask = self.encode_prompts(problems, privileged=with_teacher)
             teacher = dict(teacher_prompt_ids=rep(tids), teacher_prompt_mask=rep(tmask))
         group_ids = torch.arange(len(problems)).repeat_interleave(group_size) + group_offset
         return RolloutBatch(

@@ -7,7 +7,8 @@ the full-vocabulary KL. Nobody asked → no teacher forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,38 @@ from gearlab.logprobs import response_hidden, token_kl, token_logprobs
 
 
 @dataclass
+class SignalContext:
+    """Everything a model-based signal function may use. ``model`` is the policy (eval mode, its
+    parameters may require grad: a function that backpropagates must use ``torch.autograd.grad``
+    on inputs only and leave no ``.grad`` on parameters)."""
+
+    model: nn.Module
+    tokenizer: Any
+    batch: RolloutBatch
+    temperature: float
+    chunk_size: int
+    micro_batch_size: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+SignalFn = Callable[[SignalContext], Tensor]
+_EXTRA: dict[Signal, SignalFn] = {}
+
+
+def register_signal(signal: Signal) -> Callable[[SignalFn], SignalFn]:
+    """Register the function computing ``signal`` ([B, T] float, 0 on masked positions) for the
+    signals that are not by-products of the student/teacher passes (saliencies, span masks)."""
+
+    def deco(fn: SignalFn) -> SignalFn:
+        if signal in _EXTRA:
+            raise ValueError(f"signal {signal.value!r} already has a function: {_EXTRA[signal].__qualname__}")
+        _EXTRA[signal] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
 class PolicyPass:
     """Outputs of one no-grad policy pass over a rollout batch (all [B, T] float32)."""
 
@@ -25,69 +58,112 @@ class PolicyPass:
     entropy: Tensor | None
 
 
-class SignalProvider:
-    """Computes signals for a batch in micro-batches of ``micro_batch_size`` sequences."""
+_PASS_SIGNALS = {Signal.ENTROPY, Signal.LOGPROBS, Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL, Signal.TEACHER_ENTROPY}
+_TEACHER_SIGNALS = {Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL, Signal.TEACHER_ENTROPY}
 
-    def __init__(self, model: nn.Module, *, temperature: float, chunk_size: int = 256, micro_batch_size: int = 16) -> None:
+
+def _load_extra_signal_fns() -> None:
+    # the model-based signals live in their own core modules; importing registers them
+    import gearlab.saliency  # noqa: F401
+    import gearlab.spans  # noqa: F401
+
+
+class SignalProvider:
+    """Computes signals for a batch in micro-batches of ``micro_batch_size`` sequences.
+
+    ``teacher`` is the model scoring the privileged prompt; None = the policy itself (live teacher).
+    """
+
+    def __init__(self, model: nn.Module, *, temperature: float, chunk_size: int = 256, micro_batch_size: int = 16,
+                 tokenizer: Any = None) -> None:
         self.model = model
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.micro_batch_size = micro_batch_size
+        self.tokenizer = tokenizer
 
-    def _head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
-
-    def _student_hidden(self, b: RolloutBatch) -> Tensor:
-        return response_hidden(self.model, b.input_ids(), b.full_attention_mask(), b.prompt_ids.shape[1], b.response_len)
-
-    def _teacher_hidden(self, b: RolloutBatch) -> Tensor:
+    def _hidden(self, model: nn.Module, b: RolloutBatch, teacher: bool) -> Tensor:
+        if not teacher:
+            return response_hidden(model, b.input_ids(), b.full_attention_mask(), b.prompt_ids.shape[1], b.response_len)
         if b.teacher_prompt_ids is None:
             raise ValueError("a teacher signal was requested but the batch has no teacher_prompt_ids (privileged prompt)")
         ids = torch.cat([b.teacher_prompt_ids, b.response_ids], dim=1)
         mask = torch.cat([b.teacher_prompt_mask.bool(), b.attention_mask], dim=1).long()
-        return response_hidden(self.model, ids, mask, b.teacher_prompt_ids.shape[1], b.response_len)
+        return response_hidden(model, ids, mask, b.teacher_prompt_ids.shape[1], b.response_len)
 
     def _micro(self, batch: RolloutBatch):
         for s in range(0, batch.batch_size, self.micro_batch_size):
             yield batch.select(torch.arange(s, min(s + self.micro_batch_size, batch.batch_size)))
 
-    @torch.no_grad()
-    def compute(self, batch: RolloutBatch, needs: frozenset[Signal] | set[Signal], *, with_logprobs: bool = True) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
-        """One pass over the batch. Returns (student log-probs/entropy or None, {signal: [B, T]}).
+    def compute(self, batch: RolloutBatch, needs: frozenset[Signal] | set[Signal], *, with_logprobs: bool = True,
+                teacher: nn.Module | None = None, options: dict[str, Any] | None = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
+        """Returns (student log-probs/entropy or None, {signal: [B, T] float32}) for exactly ``needs``.
 
-        Values at masked positions are set to 0 so that no assigner reads garbage there.
+        Student and teacher passes run without gradient, micro-batched; values at masked positions are 0.
         """
         needs = frozenset(needs)
+        extra = needs - _PASS_SIGNALS
+        with_logprobs = with_logprobs or Signal.LOGPROBS in needs
+        signals = self._passes(batch, needs, with_logprobs, teacher)
+        ppass = None
+        if with_logprobs:
+            ppass = PolicyPass(signals.pop("_logprobs"), signals.get(Signal.ENTROPY))
+            if Signal.LOGPROBS in needs:
+                signals[Signal.LOGPROBS] = ppass.logprobs
+        if extra:
+            _load_extra_signal_fns()
+            missing = [s.value for s in extra if s not in _EXTRA]
+            if missing:
+                raise ValueError(f"no function computes the signal(s) {missing}")
+            ctx = SignalContext(self.model, self.tokenizer, batch, self.temperature, self.chunk_size,
+                                self.micro_batch_size, dict(options or {}))
+            m = batch.response_mask.float()
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                for sig in sorted(extra, key=lambda s: s.value):
+                    signals[sig] = _EXTRA[sig](ctx).detach().float() * m
+            finally:
+                self.model.train(was_training)
+        return ppass, signals
+
+    @torch.no_grad()
+    def _passes(self, batch: RolloutBatch, needs: frozenset[Signal], with_logprobs: bool, teacher: nn.Module | None) -> dict:
         want_entropy = Signal.ENTROPY in needs
-        want_teacher = bool(needs & {Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL})
+        want_teacher = bool(needs & _TEACHER_SIGNALS)
         if not (with_logprobs or want_entropy or want_teacher):
-            return None, {}
-        was_training = self.model.training
-        self.model.eval()
-        head = self._head()
-        lps, ents, tlps, kls = [], [], [], []
+            return {}
+        tmodel = self.model if teacher is None else teacher
+        models = {id(self.model): self.model, id(tmodel): tmodel}
+        modes = {k: m.training for k, m in models.items()}
+        for m in models.values():
+            m.eval()
+        head, thead = self.model.get_output_embeddings(), tmodel.get_output_embeddings()
+        out: dict[Any, list[Tensor]] = {}
+        kw = dict(temperature=self.temperature, chunk_size=self.chunk_size)
         try:
             for mb in self._micro(batch):
-                hs = self._student_hidden(mb)
-                lp, ent = token_logprobs(hs, head, mb.response_ids, temperature=self.temperature,
-                                         chunk_size=self.chunk_size, with_entropy=want_entropy)
-                lps.append(lp)
-                ents.append(ent)
-                if want_teacher:
-                    ht = self._teacher_hidden(mb)
-                    if Signal.TEACHER_LOGPROBS in needs:
-                        tlps.append(token_logprobs(ht, head, mb.response_ids, temperature=self.temperature, chunk_size=self.chunk_size)[0])
-                    if Signal.TEACHER_KL in needs:
-                        kls.append(token_kl(hs, ht, head, temperature=self.temperature, chunk_size=self.chunk_size))
+                hs = self._hidden(self.model, mb, teacher=False)
+                lp, ent = token_logprobs(hs, head, mb.response_ids, with_entropy=want_entropy, **kw)
+                out.setdefault("_logprobs", []).append(lp)
+                if want_entropy:
+                    out.setdefault(Signal.ENTROPY, []).append(ent)
+                if not want_teacher:
+                    continue
+                ht = self._hidden(tmodel, mb, teacher=True)
+                if needs & {Signal.TEACHER_LOGPROBS, Signal.TEACHER_ENTROPY}:
+                    tlp, tent = token_logprobs(ht, thead, mb.response_ids, with_entropy=Signal.TEACHER_ENTROPY in needs, **kw)
+                    out.setdefault(Signal.TEACHER_LOGPROBS, []).append(tlp)
+                    if tent is not None:
+                        out.setdefault(Signal.TEACHER_ENTROPY, []).append(tent)
+                if Signal.TEACHER_KL in needs:
+                    out.setdefault(Signal.TEACHER_KL, []).append(token_kl(hs, ht, head, teacher_head=thead, **kw))
         finally:
-            self.model.train(was_training)
+            for k, m in models.items():
+                m.train(modes[k])
         m = batch.response_mask.float()
-        signals: dict[Signal, Tensor] = {}
-        if want_entropy:
-            signals[Signal.ENTROPY] = torch.cat(ents) * m
-        if tlps:
-            signals[Signal.TEACHER_LOGPROBS] = torch.cat(tlps) * m
-        if kls:
-            signals[Signal.TEACHER_KL] = torch.cat(kls) * m
-        ppass = PolicyPass(torch.cat(lps) * m, signals.get(Signal.ENTROPY)) if with_logprobs else None
-        return ppass, signals
+        res = {k: torch.cat(v) * m for k, v in out.items()}
+        if Signal.TEACHER_LOGPROBS not in needs:
+            res.pop(Signal.TEACHER_LOGPROBS, None)
+        return res
+

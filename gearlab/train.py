@@ -58,6 +58,10 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
         assigner = credit.build(cfg.assigner.name, dict(cfg.assigner.options))
     except (KeyError, ValueError) as e:
         raise ConfigError(f"key 'assigner': {str(e).strip(chr(34))}") from None
+    try:
+        assigner.setup(seed=cfg.trainer.seed, total_steps=cfg.trainer.max_steps, task=task)
+    except ValueError as e:
+        raise ConfigError(f"assigner {cfg.assigner.name!r} on task {cfg.task.name!r}: {e}") from None
     return task, assigner
 
 
@@ -155,7 +159,6 @@ def train(cfg: Config) -> TrainResult:
             raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
         resume = cfg.trainer.resume
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    assigner.setup(seed=cfg.trainer.seed)
     model, tok, model_name = load_policy(cfg)
     rdir.mkdir(parents=True, exist_ok=True)
     (rdir / "config.yaml").write_text(to_yaml(cfg))

@@ -52,6 +52,9 @@ class Task(ABC):
     """
 
     name: str = "task"
+    #: True when episodes have several turns (turn_ids / turn_rewards in the rollout); turn-level
+    #: credit methods refuse single-turn tasks.
+    multi_turn: bool = False
     #: Optional system message; None = no system turn (keeps prompts short for tiny models).
     system_prompt: str | None = None
 
@@ -66,13 +69,18 @@ class Task(ABC):
     def extract_answer(self, completion: str) -> str | None:
         """The final answer stated in `completion`, normalised, or None if there is none."""
 
-    def messages(self, problem: Problem, privileged: bool = False) -> list[dict[str, str]]:
+    def messages(self, problem: Problem, privileged: bool | str = False) -> list[dict[str, str]]:
         """Chat messages for `problem`: [system?] + user.
 
-        privileged=True appends the ground-truth answer to the user message: this is the context
-        of the self-distillation teacher, which scores the student's response given the answer.
+        privileged=True or "answer" appends the ground-truth answer to the user message; "solution"
+        appends the worked solution (falls back to the answer when there is none). This is the
+        context of the self-distillation teacher, which scores the student's response given it.
         """
-        user = problem.prompt + (privileged_suffix(problem.answer) if privileged else "")
+        user = problem.prompt
+        if privileged == "solution" and problem.solution:
+            user += f"\n(Reference solution:\n{problem.solution})"
+        elif privileged:
+            user += privileged_suffix(problem.answer)
         msgs: list[dict[str, str]] = []
         if self.system_prompt:
             msgs.append({"role": "system", "content": self.system_prompt})

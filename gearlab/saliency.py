@@ -1,0 +1,1 @@
+"""Model-based saliency signals (OAR). Registered with ``gearlab.signals.register_signal``."""

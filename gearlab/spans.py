@@ -1,0 +1,1 @@
+"""Span signals derived from the response tokens (e.g. the reasoning span before the final answer)."""
