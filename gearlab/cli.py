@@ -22,6 +22,9 @@ HELP = textwrap.dedent("""\
       train       GRPO training; the credit method is `assigner=NAME`
       eval        greedy accuracy and pass@k of a model or checkpoint on a task's test split
       assigners   list the registered credit assigners
+      check-assigner NAME [overrides]   run the contract kit on a credit method (exit 1 if it fails)
+      new-assigner NAME                 write assigners/NAME.py, conf/assigner/NAME.yaml and its test
+      inspect     run several assigners on one sampled batch; write credit.json, credit.html, credit.png
 
     overrides (any command):
       assigner=NAME            conf/assigner/NAME.yaml   (list: gearlab assigners)
@@ -54,7 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from gearlab.config import ConfigError, load_config
 
-    commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners}
+    if cmd == "new-assigner":
+        return _new_assigner(overrides)
+    if cmd == "check-assigner":
+        if not overrides or "=" in overrides[0]:
+            print("gearlab: error: usage: gearlab check-assigner NAME [overrides]", file=sys.stderr)
+            return 2
+        from gearlab.config import conf_dir
+
+        name = overrides[0]
+        pick = f"assigner={name}" if (conf_dir() / "assigner" / f"{name}.yaml").is_file() else f"assigner.name={name}"
+        overrides = [pick, *overrides[1:]]
+    commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners,
+                "check-assigner": _check_assigner, "inspect": _inspect}
     if cmd not in commands:
         print(f"gearlab: error: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
         return 2
@@ -90,6 +105,53 @@ def _eval(cfg) -> int:
 
     res = evaluate(cfg)
     print(json.dumps(res, indent=2))
+    return 0
+
+
+def _new_assigner(args: list[str]) -> int:
+    from pathlib import Path
+
+    from gearlab.scaffold import new_assigner
+
+    if len(args) != 1:
+        print("gearlab: error: usage: gearlab new-assigner NAME", file=sys.stderr)
+        return 2
+    try:
+        paths = new_assigner(args[0], Path.cwd())
+    except (ValueError, FileExistsError) as e:
+        print(f"gearlab: error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    print(f"next: edit the formula, then `gearlab check-assigner {args[0]}` and `pytest {paths[2]}`")
+    return 0
+
+
+def _check_assigner(cfg) -> int:
+    from gearlab import credit
+    from gearlab.config import ConfigError
+    from gearlab.contract import check_assigner
+
+    for spec in cfg.assigner.plugins:
+        credit.load_module(spec)
+    try:
+        credit.build(cfg.assigner.name, dict(cfg.assigner.options))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(str(e).strip('"')) from None
+    checks = check_assigner(cfg.assigner.name, dict(cfg.assigner.options))
+    for c in checks:
+        print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}" + (f"  ({c.detail})" if c.detail else ""))
+    failed = sum(not c.ok for c in checks)
+    print(f"{cfg.assigner.name}: {len(checks) - failed}/{len(checks)} checks passed")
+    return 1 if failed else 0
+
+
+def _inspect(cfg) -> int:
+    from gearlab.inspect import inspect
+
+    out = inspect(cfg)
+    for k, v in out.items():
+        print(f"{k}: {v}")
     return 0
 
 

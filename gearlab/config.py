@@ -136,6 +136,13 @@ class EvalConfig:
 
 
 @dataclass
+class InspectConfig:
+    assigners: list[str] = field(default_factory=list)  # empty = every registered one that applies to the task
+    prompts: int = 4
+    out_dir: str = "inspect"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -148,6 +155,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    inspect: InspectConfig = field(default_factory=InspectConfig)
 
 
 def conf_dir() -> Path:
