@@ -1,0 +1,309 @@
+"""GEAR — Granularity-adaptivE Advantage Reweighting (arXiv 2605.11853): a PROPOSED reconstruction.
+
+Provenance (methods.md §2). The full text of the paper was NOT available, so only the outline is sourced:
+
+* [SRC, abstract] the trajectory-level GRPO advantage is reshaped with token- and segment-level signals
+  from self-distillation: an on-policy student is compared with a ground-truth-conditioned teacher; the
+  divergence marks adaptive segment boundaries and modulates local advantage weights; where the student
+  stays aligned, token-level resolution is kept; where it departs, the continuation is grouped into a
+  segment whose advantage is modulated by the divergence at the departure point.
+* [3P, figure-caption fragment] the divergence is a token-wise reverse KL KL(π_S ‖ π_T); KL peaks give
+  segment onsets and entropy gives their extent. [3P] the teacher context is the ground-truth answer.
+* [PROPOSED, methods.md §2.5/§2.6/§2.8] everything concrete below: the onset rule (per-trajectory
+  q_on-quantile, absolute floor d_min, local maximum; or a z-score), the extent rule (extend through
+  tokens under the q_H entropy quantile, stop at the next onset / fork / masked token / turn boundary /
+  L_max), the segment signal g = d / mean(d) held at its onset value inside a segment, the sign-aware
+  weight w = clip(exp(−sign(A)·β·(g−1)), 1−ε_w, 1+ε_w), the per-trajectory mass normalisation
+  w ← w·N/Σw, and every default value. The live teacher (same weights, detached) is PROPOSED too.
+
+Every open question of methods.md §2.10 is an option whose default is the PROPOSED choice:
+
+  Q1 divergence ........ ``divergence`` = "full_kl" (TEACHER_KL) | "sampled" (log π_S(y_t) − log π_T(y_t)
+                         of the sampled token; ``clamp_sampled`` = True clamps it at 0)
+  Q2 peak definition ... ``onset_rule`` = "quantile" (``q_on``) | "zscore" (``z_k``); ``d_min`` floor and
+                         ``onset_local_max`` apply to both
+  Q3 entropy rule ...... ``entropy_rule`` = "low_continues" (reading (a)) | "high_continues" (reading (b));
+                         ``entropy_source`` = "student" | "teacher"; ``q_h``; ``l_max``
+  Q4 modulation/sign ... ``modulation`` = "exp" (sign-aware) | "exp_unsigned" | "none"; ``beta``; ``eps_w``
+  Q5 normalisation ..... ``normalisation`` = "sequence" | "group" | "batch" | "none"
+  Q6 teacher weights ... ``teacher_mode`` = "live" | "frozen" | "ema"; ``teacher_sync_every``; ``teacher_ema``
+  Q7 teacher context ... ``teacher_context`` = "answer" | "solution"
+  §2.8 answer leakage .. ``exclude_last_tokens`` (tokenizer-free: the last k generated tokens of the
+                         trajectory are not onset candidates) and ``exclude_answer_span`` (uses the core's
+                         REASONING_MASK signal; the final-answer span is not an onset candidate)
+
+Resolved details (all [PROPOSED], not in any source):
+* Quantiles are per trajectory over its generated tokens, linear interpolation (numpy/torch default),
+  computed with a sort, never ``torch.quantile``. The z-score uses the population std.
+* Onset candidates ("the pool") are the generated tokens of a sequence with A_i ≠ 0 that are not
+  excluded by the answer-span options. The onset quantile / z-score statistics are over the pool; a
+  local maximum compares with the neighbours in the pool that are adjacent and in the same turn (a
+  missing neighbour counts as −∞). Excluded tokens still join segments and get per-token weights.
+* The entropy threshold is the q_h quantile over all generated tokens of the trajectory. Reading (a)
+  continues while H < τ_H (a fork H ≥ τ_H ends the segment, the §3.1 notion); reading (b) continues
+  while H ≥ τ_H, with the same threshold.
+* Segment length (onset included) is at most l_max. Segments never contain a masked token and never
+  cross a change of ``batch.turn_ids``.
+* g_t = d_t / mean over the generated tokens of d. If that mean is ≤ 1e-12 (e.g. teacher ≡ student, or
+  an unclamped sampled divergence with a non-positive mean) g ≡ 1, so w ≡ 1 for that trajectory.
+* "group" / "batch" normalisation rescale the weights by one positive factor per group / batch so that
+  Σw = ΣN over the tokens of the A ≠ 0 sequences; the sign is kept but Σ_t A_{i,t} = N_i A_i is then
+  not exact per trajectory, so ``preserves_mass`` is False for them (and for "none").
+* Sequences with A_i = 0 get 0 advantage, no segments and weight 1 on their generated tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gearlab.batch import RolloutBatch
+from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+
+DIVERGENCES = ("full_kl", "sampled")
+ONSET_RULES = ("quantile", "zscore")
+ENTROPY_RULES = ("low_continues", "high_continues")
+ENTROPY_SOURCES = ("student", "teacher")
+MODULATIONS = ("exp", "exp_unsigned", "none")
+NORMALISATIONS = ("sequence", "group", "batch", "none")
+TEACHER_MODES = ("live", "frozen", "ema")
+TEACHER_CONTEXTS = ("answer", "solution")
+
+_MEAN_EPS = 1e-12  # below this mean divergence, g ≡ 1 (no modulation)
+_EXP_ARG_MAX = 50.0  # keeps exp() finite before the clip; any value ≥ log(2) gives the same clipped weight
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"gear: {name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"gear: {name} must be true or false; got {value!r}")
+    return value
+
+
+def _number(name: str, value: Any, lo: float | None = None, hi: float | None = None, *,
+            lo_open: bool = False, hi_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"gear: {name} must be a finite number; got {value!r}")
+    v = float(value)
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise ValueError(f"gear: {name} must be {'>' if lo_open else '>='} {lo}; got {v}")
+    if hi is not None and (v > hi or (hi_open and v == hi)):
+        raise ValueError(f"gear: {name} must be {'<' if hi_open else '<='} {hi}; got {v}")
+    return v
+
+
+def _integer(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ValueError(f"gear: {name} must be an integer; got {value!r}")
+    if int(value) < lo:
+        raise ValueError(f"gear: {name} must be >= {lo}; got {value!r}")
+    return int(value)
+
+
+def _row_quantile(x: Tensor, pool: Tensor, q: float) -> Tensor:
+    """[B] q-quantile of x over the True entries of ``pool`` in each row (linear interpolation,
+    numpy's default); +inf for an empty row. A sort, so no size limit (unlike torch.quantile)."""
+    n = pool.sum(dim=1)
+    vals, _ = torch.where(pool, x, torch.full_like(x, math.inf)).sort(dim=1)
+    pos = q * (n - 1).clamp(min=0).to(x.dtype)
+    lo = pos.floor().long()
+    hi = pos.ceil().long()
+    v_lo = vals.gather(1, lo[:, None]).squeeze(1)
+    v_hi = vals.gather(1, hi[:, None]).squeeze(1)
+    out = v_lo + (pos - lo.to(x.dtype)) * (v_hi - v_lo)
+    return torch.where(n > 0, out, torch.full_like(out, math.inf))
+
+
+@register("gear")
+class GEARAssigner(CreditAssigner):
+    """GEAR (arXiv 2605.11853), PROPOSED reconstruction of methods.md §2.5: divergence-peak onsets,
+    entropy-bounded segments, sign-aware clipped weights, per-trajectory mass preservation."""
+
+    needs = frozenset({Signal.TEACHER_KL, Signal.ENTROPY})  # with the default options
+    preserves_sign = True  # weights are in [1−ε_w, 1+ε_w] with ε_w < 1, then scaled by a positive factor
+    preserves_mass = True  # with normalisation="sequence" (the instance attribute follows the option)
+
+    def __init__(self, *, divergence: str = "full_kl", clamp_sampled: bool = True,
+                 onset_rule: str = "quantile", q_on: float = 0.9, d_min: float = 0.05, z_k: float = 2.0,
+                 onset_local_max: bool = True, exclude_last_tokens: int = 0, exclude_answer_span: bool = False,
+                 entropy_rule: str = "low_continues", entropy_source: str = "student", q_h: float = 0.8,
+                 l_max: int = 64, modulation: str = "exp", beta: float = 1.0, eps_w: float = 0.5,
+                 normalisation: str = "sequence", teacher_mode: str = "live", teacher_sync_every: int = 0,
+                 teacher_ema: float = 0.99, teacher_context: str = "answer") -> None:
+        self.divergence = _choice("divergence", divergence, DIVERGENCES)
+        self.clamp_sampled = _flag("clamp_sampled", clamp_sampled)
+        self.onset_rule = _choice("onset_rule", onset_rule, ONSET_RULES)
+        self.q_on = _number("q_on", q_on, 0.0, 1.0)
+        self.d_min = _number("d_min", d_min, 0.0)
+        self.z_k = _number("z_k", z_k)
+        self.onset_local_max = _flag("onset_local_max", onset_local_max)
+        self.exclude_last_tokens = _integer("exclude_last_tokens", exclude_last_tokens, 0)
+        self.exclude_answer_span = _flag("exclude_answer_span", exclude_answer_span)
+        self.entropy_rule = _choice("entropy_rule", entropy_rule, ENTROPY_RULES)
+        self.entropy_source = _choice("entropy_source", entropy_source, ENTROPY_SOURCES)
+        self.q_h = _number("q_h", q_h, 0.0, 1.0)
+        self.l_max = _integer("l_max", l_max, 1)
+        self.modulation = _choice("modulation", modulation, MODULATIONS)
+        self.beta = _number("beta", beta, 0.0)
+        # ε_w < 1 keeps every weight > 0, which is what makes the method sign-preserving
+        self.eps_w = _number("eps_w", eps_w, 0.0, 1.0, hi_open=True)
+        self.normalisation = _choice("normalisation", normalisation, NORMALISATIONS)
+        self.teacher_mode = _choice("teacher_mode", teacher_mode, TEACHER_MODES)
+        self.teacher_sync_every = _integer("teacher_sync_every", teacher_sync_every, 0)
+        self.teacher_ema = _number("teacher_ema", teacher_ema, 0.0, 1.0)
+        self.teacher_context = _choice("teacher_context", teacher_context, TEACHER_CONTEXTS)
+
+        self.preserves_mass = self.normalisation == "sequence"
+        needs = {Signal.TEACHER_KL} if self.divergence == "full_kl" else {Signal.LOGPROBS, Signal.TEACHER_LOGPROBS}
+        needs.add(Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY)
+        if self.exclude_answer_span:
+            needs.add(Signal.REASONING_MASK)
+        self.needs = frozenset(needs)
+
+        # read by `gearlab inspect` after each assign(): [B, T] tensors of the last batch
+        self.last_segments: Tensor | None = None  # long, per-sequence segment index 0.., −1 outside segments
+        self.last_weights: Tensor | None = None  # float, final weights (A_{i,t} = w_t·A_i); 0 where masked
+        self.last_onsets: Tensor | None = None  # bool, onset tokens
+        self.last_divergence: Tensor | None = None  # float, d_t used for onsets and g
+
+    # -- signals ----------------------------------------------------------------------------
+    def _signal(self, signals: dict[Signal, Tensor], sig: Signal, like: Tensor) -> Tensor:
+        if sig not in signals:
+            raise ValueError(f"gear: signal {sig.value!r} missing (declared needs: {sorted(s.value for s in self.needs)})")
+        x = signals[sig].detach().to(device=like.device, dtype=torch.float64)
+        if tuple(x.shape) != tuple(like.shape):
+            raise ValueError(f"gear: signal {sig.value!r} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
+        return x
+
+    def _divergence(self, signals: dict[Signal, Tensor], mask: Tensor) -> Tensor:
+        if self.divergence == "full_kl":
+            d = self._signal(signals, Signal.TEACHER_KL, mask)
+        else:  # single-sample (k1) estimate of KL(π_S‖π_T) at the sampled token
+            d = self._signal(signals, Signal.LOGPROBS, mask) - self._signal(signals, Signal.TEACHER_LOGPROBS, mask)
+            if self.clamp_sampled:
+                d = d.clamp(min=0.0)
+        return torch.where(mask, d, torch.zeros_like(d))
+
+    # -- the method ---------------------------------------------------------------------------
+    def assign(self, batch: RolloutBatch, seq_advantages: Tensor, signals: dict[Signal, Tensor]) -> CreditOutput:
+        mask = batch.response_mask
+        dev = mask.device
+        B, T = mask.shape
+        f64 = torch.float64
+        A = seq_advantages.detach().to(device=dev, dtype=f64).reshape(B)
+        active = (A != 0) & torch.isfinite(A)
+        valid = mask & active[:, None]  # generated tokens of the sequences GEAR acts on
+        N = valid.sum(dim=1)
+
+        d = self._divergence(signals, mask)
+        H = self._signal(signals, Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY, mask)
+
+        # link[t]: t−1 and t are both generated and in the same turn (a segment may step from t−1 to t)
+        link = torch.zeros_like(mask)
+        same = mask[:, 1:] & mask[:, :-1]
+        if batch.turn_ids is not None:
+            tid = batch.turn_ids.to(dev)
+            same = same & (tid[:, 1:] == tid[:, :-1])
+        link[:, 1:] = same
+
+        # 1. onsets ---------------------------------------------------------------------------
+        pool = valid.clone()
+        if self.exclude_last_tokens > 0:
+            from_end = mask.flip(1).long().cumsum(1).flip(1)  # 1 on the last generated token, 2 before it, …
+            pool &= ~(from_end <= self.exclude_last_tokens)
+        if self.exclude_answer_span:
+            pool &= self._signal(signals, Signal.REASONING_MASK, mask) > 0.5
+        if self.onset_rule == "quantile":
+            thr = _row_quantile(d, pool, self.q_on)
+        else:
+            n = pool.sum(dim=1).clamp(min=1).to(f64)
+            mu = (d * pool).sum(dim=1) / n
+            sigma = (((d - mu[:, None]) ** 2) * pool).sum(dim=1).div(n).sqrt()
+            thr = mu + self.z_k * sigma
+        onset = pool & (d >= thr[:, None]) & (d >= self.d_min)
+        if self.onset_local_max:
+            neg = torch.full_like(d, -math.inf)
+            nb = link.clone()
+            nb[:, 1:] &= pool[:, 1:] & pool[:, :-1]  # nb[t]: t−1 is a usable neighbour of t (and t of t−1)
+            prev = neg.clone()
+            prev[:, 1:] = torch.where(nb[:, 1:], d[:, :-1], neg[:, 1:])
+            nxt = neg.clone()
+            nxt[:, :-1] = torch.where(nb[:, 1:], d[:, 1:], neg[:, :-1])
+            onset &= (d >= prev) & (d >= nxt)
+
+        # 2. extent ---------------------------------------------------------------------------
+        tau_h = _row_quantile(H, valid, self.q_h)[:, None]
+        ent_ok = H < tau_h if self.entropy_rule == "low_continues" else H >= tau_h
+        cont = valid & link & ~onset & ent_ok  # t may extend a segment that contains t−1
+        idx = torch.arange(T, device=dev).expand(B, T)
+        minus1 = torch.full_like(idx, -1)
+        last_onset = torch.cummax(torch.where(onset, idx, minus1), dim=1).values
+        last_break = torch.cummax(torch.where(~cont & ~onset, idx, minus1), dim=1).values
+        in_seg = onset | ((last_onset >= 0) & (last_break < last_onset) & (idx - last_onset < self.l_max))
+        seg_ids = torch.where(in_seg, onset.long().cumsum(1) - 1, minus1)
+
+        # 3. signal g -------------------------------------------------------------------------
+        mean_d = (d * valid).sum(dim=1) / N.clamp(min=1).to(f64)
+        ok = (N > 0) & torch.isfinite(mean_d) & (mean_d > _MEAN_EPS)
+        g = torch.where(ok[:, None], d / torch.where(ok, mean_d, torch.ones_like(mean_d))[:, None], torch.ones_like(d))
+        g = torch.where(in_seg, g.gather(1, last_onset.clamp(min=0)), g)
+
+        # 4. modulation -------------------------------------------------------------------------
+        if self.modulation == "none":
+            w = torch.ones_like(d)
+        else:
+            sgn = torch.sign(A) if self.modulation == "exp" else torch.ones_like(A)
+            arg = (-sgn[:, None] * self.beta * (g - 1.0)).clamp(-_EXP_ARG_MAX, _EXP_ARG_MAX)
+            w = torch.exp(arg).clamp(1.0 - self.eps_w, 1.0 + self.eps_w)
+        w = torch.where(valid, w, torch.zeros_like(w))
+
+        # 5. normalisation ------------------------------------------------------------------------
+        if self.normalisation == "sequence":
+            w = w * (N.to(f64) / w.sum(dim=1).clamp(min=1e-30))[:, None]
+        elif self.normalisation in ("group", "batch"):
+            if self.normalisation == "group":
+                _, gidx = torch.unique(batch.group_ids.to(dev), return_inverse=True)
+            else:
+                gidx = torch.zeros(B, dtype=torch.long, device=dev)
+            K = int(gidx.max().item()) + 1 if B > 0 else 0
+            num = torch.zeros(K, dtype=f64, device=dev).index_add_(0, gidx, N.to(f64))
+            den = torch.zeros(K, dtype=f64, device=dev).index_add_(0, gidx, w.sum(dim=1))
+            w = w * (num / den.clamp(min=1e-30))[gidx][:, None]
+
+        out_dtype = seq_advantages.dtype if seq_advantages.is_floating_point() else torch.float32
+        token_adv = (w * A[:, None]).to(out_dtype)
+
+        # bookkeeping for `gearlab inspect`: A = 0 sequences show weight 1 on their generated tokens
+        self.last_weights = torch.where(valid, w, mask.to(f64)).float()
+        self.last_segments = seg_ids
+        self.last_onsets = onset
+        self.last_divergence = d.float()
+        return CreditOutput(token_advantages=token_adv, metrics=self._metrics(active, valid, onset, in_seg, w, d))
+
+    @staticmethod
+    def _metrics(active: Tensor, valid: Tensor, onset: Tensor, in_seg: Tensor, w: Tensor, d: Tensor) -> dict[str, float]:
+        """Means over the A ≠ 0 sequences; an empty set reports 0 (weights are > 0, so 0 means "none")."""
+        n_act = int(active.sum())
+        n_tok = int(valid.sum())
+        n_seg = int(onset.sum())
+        n_in = int(in_seg.sum())
+        out_seg = valid & ~in_seg
+        n_out = int(out_seg.sum())
+        return {
+            "frac_active_seqs": n_act / max(1, active.numel()),
+            "segments_per_seq": n_seg / n_act if n_act else 0.0,
+            "segment_len_mean": n_in / n_seg if n_seg else 0.0,
+            "frac_tokens_in_segments": n_in / n_tok if n_tok else 0.0,
+            "weight_in_seg_mean": float(w[in_seg].sum()) / n_in if n_in else 0.0,
+            "weight_out_seg_mean": float(w[out_seg].sum()) / n_out if n_out else 0.0,
+            "weight_min": float(w[valid].min()) if n_tok else 0.0,
+            "weight_max": float(w[valid].max()) if n_tok else 0.0,
+            "divergence_mean": float(d[valid].sum()) / n_tok if n_tok else 0.0,
+        }

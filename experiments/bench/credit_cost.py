@@ -1,0 +1,203 @@
+"""Extra cost of each credit method over GRPO, on one batch: signals + ``assign`` time, signal peak memory.
+
+    python experiments/bench/credit_cost.py --preset cpu          # embedded tiny model, real rollouts
+    python experiments/bench/credit_cost.py --preset qwen3-0.6b   # GPU: Qwen3-0.6B shape, random bf16 weights,
+                                                                  # vocab 151,936, 4,096-token responses
+
+GRPO's training-side time is measured two ways, and each method's extra time is reported against both:
+  * ``grpo_offpolicy_s`` = the π_old log-prob pass (which verl always runs, and gearlab runs whenever
+    ppo_epochs > 1 or mini_batches > 1) + the update (forward + backward over the batch);
+  * ``grpo_onpolicy_s``  = the update alone (gearlab's strictly on-policy default skips the old-log-prob pass).
+A method's cost = (its signal pass, which also yields the π_old log-probs) + assign + the same update.
+Peak memory: the allocator's peak during the signal computation minus the peak of a plain no-grad
+forward of one micro-batch (GPU only; "the model's forward at that size").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from gearlab import credit  # noqa: E402
+from gearlab.batch import RolloutBatch  # noqa: E402
+from gearlab.grpo import group_advantages, policy_loss  # noqa: E402
+from gearlab.inspect import assigner_options  # noqa: E402
+from gearlab.logprobs import response_hidden, token_logprobs  # noqa: E402
+from gearlab.signals import SignalProvider  # noqa: E402
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def update_pass(model, batch: RolloutBatch, adv, micro: int, temperature: float, chunk: int) -> None:
+    """Forward + backward of the clipped surrogate over the batch in micro-batches (gradients accumulate)."""
+    model.train()
+    for s in range(0, batch.batch_size, micro):
+        mb = batch.select(torch.arange(s, min(s + micro, batch.batch_size)))
+        h = response_hidden(model, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len)
+        lp, _ = token_logprobs(h, model.get_output_embeddings(), mb.response_ids, temperature=temperature, chunk_size=chunk)
+        loss, _ = policy_loss(lp, lp.detach(), adv[s:s + micro], mb.response_mask,
+                              global_tokens=batch.response_mask.sum().float())
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def cpu_setup(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gearlab.rollout import HFRolloutEngine, SamplingParams
+    from gearlab.tasks.base import get_task
+
+    d = ROOT / "runs" / "embedded" / "tiny-arith"
+    if not d.is_dir():
+        from gearlab.warmstart import warmstart
+
+        warmstart(d, task="arith")
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(d)
+    task = get_task("arith")
+    problems = task.problems("test", 16, 0)
+    engine = HFRolloutEngine(tok, task)
+    rb = engine.generate(model, problems, group_size=8, sampling=SamplingParams(max_new_tokens=48), seed=0, with_teacher="answer")
+    return model, tok, rb, dict(micro=16, chunk=256, repeats=3, desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32")
+
+
+def gpu_setup(args):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gearlab.models.tiny import build_tokenizer
+
+    cfg = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                      max_position_embeddings=8192, rope_theta=1_000_000.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    # The small offline tokenizer only decodes ids < its vocabulary; span detection needs text, so
+    # responses are drawn from its ids (the model's vocabulary is still 151,936 for every logit).
+    tok = build_tokenizer()
+    B, P, T = args.sequences, 256, args.response_len
+    g = torch.Generator().manual_seed(0)
+    small_v = len(tok)
+    resp = torch.randint(5, small_v, (B, T), generator=g)
+    answer = tok("\nAnswer: 42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    resp[:, -len(answer):] = torch.tensor(answer)
+    rb = RolloutBatch(prompt_ids=torch.randint(5, small_v, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
+                      response_ids=resp, response_mask=torch.ones(B, T, dtype=torch.bool),
+                      group_ids=torch.arange(B) // 4, rewards=torch.tensor([1.0, 0.0] * (B // 2)),
+                      teacher_prompt_ids=torch.randint(5, small_v, (B, P + 32), generator=g),
+                      teacher_prompt_mask=torch.ones(B, P + 32, dtype=torch.long))
+    rb = rb.with_(**{k: v.cuda() for k, v in vars(rb).items() if isinstance(v, torch.Tensor)})
+    n = sum(p.numel() for p in model.parameters())
+    return model, tok, rb, dict(micro=1, chunk=1024, repeats=2,
+                                desc=f"Qwen3-0.6B shape ({n / 1e6:.0f}M params, vocab 151,936), random bf16 weights, "
+                                     f"{B} sequences × (256 prompt + {T} response) tokens, micro-batch 1, gradient checkpointing")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", choices=["cpu", "qwen3-0.6b"], default="cpu")
+    ap.add_argument("--assigners", nargs="*", default=None)
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--response-len", type=int, default=4096)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model, tok, rb, p = (cpu_setup if args.preset == "cpu" else gpu_setup)(args)
+    dev = rb.response_ids.device
+    temperature = 1.0
+    adv = group_advantages(rb.rewards, rb.group_ids)
+    tadv = adv[:, None] * rb.response_mask.float()
+    provider = SignalProvider(model, temperature=temperature, chunk_size=p["chunk"], micro_batch_size=p["micro"], tokenizer=tok)
+    cuda = dev.type == "cuda"
+
+    def peak_of(fn) -> float | None:
+        if not cuda:
+            fn()
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    upd_s, _ = timed(lambda: update_pass(model, rb, tadv, p["micro"], temperature, p["chunk"]), dev, p["repeats"])
+    old_s, _ = timed(lambda: provider.compute(rb, frozenset(), with_logprobs=True), dev, p["repeats"])
+
+    def fwd_only():
+        with torch.no_grad():
+            model.eval()
+            mb = rb.select(torch.arange(0, p["micro"], device=dev))
+            response_hidden(model, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len)
+
+    fwd_peak = peak_of(fwd_only)
+    rows = []
+    names = args.assigners or credit.available()
+    for name in names:
+        a = credit.build(name, assigner_options(name))
+        if a.requires_turns:
+            rows.append({"assigner": name, "skipped": "needs a multi-turn batch (turn rewards); its assign is O(B·T) tensor work"})
+            continue
+        a.setup(seed=0, total_steps=100, task=None)
+        opts = {"seed": 0, **a.signal_options()}
+        sig_s, (_, sig) = timed(lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts), dev, p["repeats"])
+        asg_s, _ = timed(lambda: a.assign(rb, adv, sig), dev, p["repeats"])
+        peak = peak_of(lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts))
+        extra_off = sig_s + asg_s - old_s
+        rows.append({
+            "assigner": name, "needs": sorted(s.value for s in a.needs),
+            "signal_pass_s": round(sig_s, 4), "assign_s": round(asg_s, 4),
+            "extra_vs_grpo_offpolicy": round(extra_off / (old_s + upd_s), 4),
+            "extra_vs_grpo_onpolicy": round((sig_s + asg_s) / upd_s, 4) if a.needs else round(asg_s / upd_s, 4),
+            "signal_peak_gib_over_forward": None if peak is None else round(peak - fwd_peak, 3),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "preset": args.preset, "workload": p["desc"],
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "grpo_update_s": round(upd_s, 4), "grpo_oldlogprob_pass_s": round(old_s, 4),
+        "forward_peak_gib": None if fwd_peak is None else round(fwd_peak, 3), "rows": rows,
+    }
+    out = Path(args.out or ROOT / "experiments" / "bench" / "results" / f"credit_cost_{args.preset}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    print(f"\n| assigner | signals | extra vs GRPO (π_old pass + update) | extra vs on-policy GRPO (update only) | signal peak over fwd (GiB) |\n|---|---|---|---|---|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['assigner']} | – | skipped: {r['skipped']} | | |")
+        else:
+            print(f"| {r['assigner']} | {', '.join(r['needs']) or '–'} | {r['extra_vs_grpo_offpolicy']:+.1%} | "
+                  f"{r['extra_vs_grpo_onpolicy']:+.1%} | {r['signal_peak_gib_over_forward']} |")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
