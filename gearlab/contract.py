@@ -94,7 +94,8 @@ def fake_signals(batch: RolloutBatch, needs: frozenset[Signal], seed: int) -> di
     }
     out = {s: makers[s]() * m for s in needs if s in makers}
     if Signal.REASONING_MASK in needs:
-        last = m.cumsum(-1) > (m.sum(-1, keepdim=True) - 3)  # the last 3 generated tokens are the "answer"
+        k = torch.randint(1, 6, (B, 1), generator=g)  # the last k generated tokens are the "answer"
+        last = m.cumsum(-1) > (m.sum(-1, keepdim=True) - k)
         out[Signal.REASONING_MASK] = m * (~last).float()
     return out
 

@@ -1,0 +1,155 @@
+"""OAR — Outcome-grounded Advantage Reshaping (Li et al., arXiv 2601.07408; methods.md §5).
+
+Each reasoning token gets a weight from its saliency for the outcome distribution (OAR-G: input
+gradient × embedding, OAR-P: counterfactual masking; computed in gearlab.saliency), turned into
+weights by the bi-level reshaping of §5.4; A_{i,t} = A_i · w_t · m_t, with w = 1 outside the
+reasoning span. The weights are positive, so signs are kept; with ``sum_to_L`` the reasoning
+weights sum to the number L of reasoning tokens, so Σ_t A_{i,t} = N_i · A_i.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gearlab.batch import RolloutBatch
+from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+
+__all__ = ["bilevel_weights", "OARGAssigner", "OARPAssigner"]
+
+
+def _row_quantile(values: Tensor, mask: Tensor, q: float) -> Tensor:
+    """Per-row q-quantile of ``values`` over ``mask`` (linear interpolation between order statistics,
+    as ``torch.quantile``'s default), by one sort; rows with an empty mask give 0. [B, T] → [B]."""
+    n = mask.sum(-1)
+    srt = values.masked_fill(~mask, float("inf")).sort(dim=-1).values
+    h = q * (n - 1).clamp(min=0).to(values.dtype)
+    lo = h.floor().long()
+    hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+    v_lo = srt.gather(-1, lo[:, None]).squeeze(-1)
+    v_hi = srt.gather(-1, hi[:, None]).squeeze(-1)
+    tau = v_lo + (h - lo.to(values.dtype)) * (v_hi - v_lo)
+    return torch.where(n > 0, tau, torch.zeros_like(tau))
+
+
+def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.5, beta: float = 1.0,
+                    floor: float = 0.1, sum_to_L: bool = True) -> Tensor:
+    """Bi-level reshaping weights (methods.md §5.4) [B, T] float32; 1.0 outside the reasoning span.
+
+    Per sequence, over its L reasoning tokens: ŝ = log1p(s) (s clamped at 0); n = min-max
+    normalised ŝ (range taken as 1 when ŝ is constant, so n = 0); τ = the q-quantile of n;
+    n < τ: w = max(n / (τ + 1e-8), floor) (noise suppression); otherwise
+    w = 1 + β (n − τ) / (1 − τ + 1e-8) (signal boosting). ``sum_to_L`` rescales the reasoning
+    weights to sum to L (ones if their sum is ≤ 0).
+
+    τ uses the per-sequence quantile level q. The released code instead overwrites its threshold
+    variable with the first sequence's τ, so later sequences use the previous τ as quantile level
+    (methods.md §5.4); that drift is deliberately not reproduced.
+    """
+    m = reasoning_mask.bool()
+    s = saliency.float().clamp(min=0.0).log1p()
+    big = torch.finfo(s.dtype).max
+    lo = s.masked_fill(~m, big).amin(-1, keepdim=True)
+    hi = s.masked_fill(~m, -big).amax(-1, keepdim=True)
+    rng = hi - lo
+    rng = torch.where(rng > 0, rng, torch.ones_like(rng))
+    n = ((s - lo) / rng).masked_fill(~m, 0.0)
+    tau = _row_quantile(n, m, q)[:, None]
+    low = torch.clamp(n / (tau + 1e-8), min=floor)
+    high = 1.0 + beta * (n - tau) / (1.0 - tau + 1e-8)
+    w = torch.where(n < tau, low, high)
+    if sum_to_L:
+        L = m.sum(-1, keepdim=True).float()
+        tot = (w * m).sum(-1, keepdim=True)
+        w = torch.where(tot > 0, w * L / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.ones_like(w))
+    return torch.where(m, w, torch.ones_like(w))
+
+
+class _OARBase(CreditAssigner):
+    """Shared reshaping; subclasses set ``needs`` and the saliency signal."""
+
+    saliency_signal: Signal
+    preserves_sign = True  # w > 0 (floor > 0) or A_{i,t} = 0
+    preserves_mass = True  # with sum_to_L (set per instance below)
+
+    def __init__(self, q: float = 0.5, beta: float = 1.0, floor: float = 0.1, sum_to_L: bool = True,
+                 pfinal_mode: str = "last", answer_anchor: str = "value") -> None:
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must be in [0, 1], got {q}")
+        if floor < 0:
+            raise ValueError(f"floor must be ≥ 0, got {floor}")
+        if beta < 0:
+            raise ValueError(f"beta must be ≥ 0, got {beta}")
+        from gearlab.saliency import ANCHORS, PFINAL_MODES
+
+        if pfinal_mode not in PFINAL_MODES:
+            raise ValueError(f"pfinal_mode must be one of {PFINAL_MODES}, got {pfinal_mode!r}")
+        if answer_anchor not in ANCHORS:
+            raise ValueError(f"answer_anchor must be one of {ANCHORS}, got {answer_anchor!r}")
+        self.q, self.beta, self.floor, self.sum_to_L = float(q), float(beta), float(floor), bool(sum_to_L)
+        self.pfinal_mode, self.answer_anchor = pfinal_mode, answer_anchor
+        self.preserves_mass = self.sum_to_L
+
+    def signal_options(self) -> dict[str, Any]:
+        # the noise seed ("seed") is the caller's: the training loop passes a per-iteration seed
+        return {"pfinal_mode": self.pfinal_mode, "answer_anchor": self.answer_anchor}
+
+    def assign(self, batch: RolloutBatch, seq_advantages: Tensor, signals: dict[Signal, Tensor]) -> CreditOutput:
+        resp = batch.response_mask.bool()
+        reasoning = signals[Signal.REASONING_MASK].detach().to(resp.device).bool() & resp
+        sal = signals[self.saliency_signal].detach().to(resp.device).float()
+        w = bilevel_weights(sal, reasoning, q=self.q, beta=self.beta, floor=self.floor, sum_to_L=self.sum_to_L)
+        adv = seq_advantages[:, None].to(resp.device).float() * w * resp.float()
+        n_r = reasoning.sum(-1)
+        has = n_r > 0
+        wr = w[reasoning]
+        metrics = {
+            "reasoning_frac": float(n_r.sum() / resp.sum().clamp(min=1)),
+            "no_reasoning_frac": float((~has).float().mean()) if has.numel() else 0.0,
+        }
+        if wr.numel():
+            metrics.update({"weight_max": float(wr.max()), "weight_min": float(wr.min()), "weight_std": float(wr.std(unbiased=False)),
+                            "high_frac": float((wr >= 1.0).float().mean()),
+                            "saliency_mean": float(sal[reasoning].mean())})
+        return CreditOutput(token_advantages=adv, metrics=metrics)
+
+
+@register("oar_g")
+class OARGAssigner(_OARBase):
+    """OAR-G: reasoning-token weights from input-gradient saliency (methods.md §5.3)."""
+
+    needs = frozenset({Signal.INPUT_GRAD_SALIENCY, Signal.REASONING_MASK})
+    saliency_signal = Signal.INPUT_GRAD_SALIENCY
+
+    def __init__(self, q: float = 0.5, beta: float = 1.0, floor: float = 0.1, sum_to_L: bool = True,
+                 pfinal_mode: str = "last", answer_anchor: str = "value", saliency_noise: float = 1e-3) -> None:
+        super().__init__(q, beta, floor, sum_to_L, pfinal_mode, answer_anchor)
+        if saliency_noise <= 0:
+            raise ValueError(f"saliency_noise must be > 0 (at zero noise the KL gradient vanishes), got {saliency_noise}")
+        self.saliency_noise = float(saliency_noise)
+
+    def signal_options(self) -> dict[str, Any]:
+        return {**super().signal_options(), "saliency_noise": self.saliency_noise}
+
+
+@register("oar_p")
+class OARPAssigner(_OARBase):
+    """OAR-P: reasoning-token weights from counterfactual masking (methods.md §5.2)."""
+
+    needs = frozenset({Signal.PERTURBATION_SALIENCY, Signal.REASONING_MASK})
+    saliency_signal = Signal.PERTURBATION_SALIENCY
+
+    def __init__(self, q: float = 0.5, beta: float = 1.0, floor: float = 0.1, sum_to_L: bool = True,
+                 pfinal_mode: str = "last", answer_anchor: str = "value", perturb_stride: int = 1,
+                 perturb_max_positions: int = 64) -> None:
+        super().__init__(q, beta, floor, sum_to_L, pfinal_mode, answer_anchor)
+        if perturb_stride < 1:
+            raise ValueError(f"perturb_stride must be ≥ 1, got {perturb_stride}")
+        if perturb_max_positions < 0:
+            raise ValueError(f"perturb_max_positions must be ≥ 0 (0 = no cap), got {perturb_max_positions}")
+        self.perturb_stride, self.perturb_max_positions = int(perturb_stride), int(perturb_max_positions)
+
+    def signal_options(self) -> dict[str, Any]:
+        return {**super().signal_options(), "perturb_stride": self.perturb_stride,
+                "perturb_max_positions": self.perturb_max_positions}
