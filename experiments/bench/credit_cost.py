@@ -71,7 +71,7 @@ def cpu_setup(args):
     from gearlab.rollout import HFRolloutEngine, SamplingParams
     from gearlab.tasks.base import get_task
 
-    d = ROOT / "runs" / "embedded" / "tiny-arith"
+    d = Path(args.model_dir) if args.model_dir else ROOT / "runs" / "embedded" / "tiny-arith"
     if not d.is_dir():
         from gearlab.warmstart import warmstart
 
@@ -91,11 +91,12 @@ def gpu_setup(args):
 
     from gearlab.models.tiny import build_tokenizer
 
-    cfg = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    cfg = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=args.layers,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                       max_position_embeddings=8192, rope_theta=1_000_000.0)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the GPU preset (use --layers 1)
+    with torch.device(dev):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.config.use_cache = False
     model.gradient_checkpointing_enable()
@@ -113,9 +114,9 @@ def gpu_setup(args):
                       group_ids=torch.arange(B) // 4, rewards=torch.tensor([1.0, 0.0] * (B // 2)),
                       teacher_prompt_ids=torch.randint(5, small_v, (B, P + 32), generator=g),
                       teacher_prompt_mask=torch.ones(B, P + 32, dtype=torch.long))
-    rb = rb.with_(**{k: v.cuda() for k, v in vars(rb).items() if isinstance(v, torch.Tensor)})
+    rb = rb.with_(**{k: v.to(dev) for k, v in vars(rb).items() if isinstance(v, torch.Tensor)})
     n = sum(p.numel() for p in model.parameters())
-    return model, tok, rb, dict(micro=1, chunk=1024, repeats=2,
+    return model, tok, rb, dict(micro=1, chunk=256, repeats=2,
                                 desc=f"Qwen3-0.6B shape ({n / 1e6:.0f}M params, vocab 151,936), random bf16 weights, "
                                      f"{B} sequences × (256 prompt + {T} response) tokens, micro-batch 1, gradient checkpointing")
 
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--assigners", nargs="*", default=None)
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--response-len", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--model-dir", default=None, help="cpu preset: the warm-started model (default runs/embedded/tiny-arith)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model, tok, rb, p = (cpu_setup if args.preset == "cpu" else gpu_setup)(args)
@@ -161,8 +164,19 @@ def main() -> None:
     names = args.assigners or credit.available()
     for name in names:
         a = credit.build(name, assigner_options(name))
-        if a.requires_turns:
-            rows.append({"assigner": name, "skipped": "needs a multi-turn batch (turn rewards); its assign is O(B·T) tensor work"})
+        if a.requires_turns:  # no signals; time assign on a synthetic multi-turn batch of the same size
+            from gearlab.contract import random_batch
+
+            mt = random_batch(0, groups=rb.batch_size // 4, group_size=4, T=rb.response_len, multi_turn=True)
+            mt = mt.with_(**{k: v.to(dev) for k, v in vars(mt).items() if isinstance(v, torch.Tensor)})
+            a.setup(seed=0, total_steps=100, task=type("MultiTurn", (), {"multi_turn": True})())
+            mt_adv = group_advantages(mt.rewards, mt.group_ids)
+            asg_s, _ = timed(lambda: a.assign(mt, mt_adv, {}), dev, p["repeats"])
+            rows.append({"assigner": name, "needs": [], "signal_pass_s": 0.0, "assign_s": round(asg_s, 4),
+                         "extra_vs_grpo_offpolicy": round(asg_s / (old_s + upd_s), 4),
+                         "extra_vs_grpo_onpolicy": round(asg_s / upd_s, 4), "signal_peak_gib_over_forward": None,
+                         "note": "assign timed on a synthetic multi-turn batch of the same B×T"})
+            print(json.dumps(rows[-1]), flush=True)
             continue
         a.setup(seed=0, total_steps=100, task=None)
         opts = {"seed": 0, **a.signal_options()}
@@ -191,9 +205,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
     print(f"\n| assigner | signals | extra vs GRPO (π_old pass + update) | extra vs on-policy GRPO (update only) | signal peak over fwd (GiB) |\n|---|---|---|---|---|")
     for r in rows:
-        if "skipped" in r:
-            print(f"| {r['assigner']} | – | skipped: {r['skipped']} | | |")
-        else:
+        if True:
             print(f"| {r['assigner']} | {', '.join(r['needs']) or '–'} | {r['extra_vs_grpo_offpolicy']:+.1%} | "
                   f"{r['extra_vs_grpo_onpolicy']:+.1%} | {r['signal_peak_gib_over_forward']} |")
     print(f"\nwrote {out}")
