@@ -25,6 +25,9 @@ HELP = textwrap.dedent("""\
       check-assigner NAME [overrides]   run the contract kit on a credit method (exit 1 if it fails)
       new-assigner NAME                 write assigners/NAME.py, conf/assigner/NAME.yaml and its test
       inspect     run several assigners on one sampled batch; write credit.json, credit.html, credit.png
+      compare     paired comparison: assigners=[grpo,gear,...] seeds=[0,1,2] (one MLflow parent + a child per pair)
+      report NAME rebuild a comparison's table and plot from MLflow alone (also a remote tracking server)
+      replay      run one cached set of rollouts through several assigners and log how their credit differs
 
     overrides (any command):
       assigner=NAME            conf/assigner/NAME.yaml   (list: gearlab assigners)
@@ -54,11 +57,20 @@ def main(argv: list[str] | None = None) -> int:
         print(HELP)
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _quiet()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from gearlab.config import ConfigError, load_config
 
     if cmd == "new-assigner":
         return _new_assigner(overrides)
+    if cmd == "report":
+        if not overrides or "=" in overrides[0]:
+            print("gearlab: error: usage: gearlab report COMPARISON [compare.metric=...] [compare.target=0.5]", file=sys.stderr)
+            return 2
+        overrides = [f"compare.name={overrides[0]}", *overrides[1:]]
+    if cmd == "compare":  # short forms: assigners=[...] seeds=[...] workers=N
+        short = {"assigners": "compare.assigners", "seeds": "compare.seeds", "workers": "compare.workers", "name": "compare.name"}
+        overrides = [f"{short[o.split('=', 1)[0]]}={o.split('=', 1)[1]}" if o.split("=", 1)[0] in short else o for o in overrides]
     if cmd == "check-assigner":
         if not overrides or "=" in overrides[0]:
             print("gearlab: error: usage: gearlab check-assigner NAME [overrides]", file=sys.stderr)
@@ -69,16 +81,40 @@ def main(argv: list[str] | None = None) -> int:
         pick = f"assigner={name}" if (conf_dir() / "assigner" / f"{name}.yaml").is_file() else f"assigner.name={name}"
         overrides = [pick, *overrides[1:]]
     commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners,
-                "check-assigner": _check_assigner, "inspect": _inspect}
+                "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report, "replay": _replay}
     if cmd not in commands:
         print(f"gearlab: error: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
         return 2
     try:
         cfg = load_config(overrides)
+        if cmd == "compare":
+            from gearlab.compare import compare
+
+            base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name="))]
+            return 1 if compare(cfg, base)["failed"] else 0
         return commands[cmd](cfg)
     except ConfigError as e:
         print(f"gearlab: error: {e}", file=sys.stderr)
         return 2
+
+
+def _quiet() -> None:
+    """Silence known-harmless library chatter so that gearlab's own progress lines stay readable."""
+    import warnings
+
+    for pattern in (".*transfer_batch_to_device.*", ".*LeafSpec.*", ".*module\\(s\\) in eval mode.*",
+                    ".*does not have many workers.*", ".*is not resumable.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in ("lightning.pytorch", "lightning.fabric", "mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
 
 
 def _train(cfg) -> int:
@@ -144,6 +180,35 @@ def _check_assigner(cfg) -> int:
     failed = sum(not c.ok for c in checks)
     print(f"{cfg.assigner.name}: {len(checks) - failed}/{len(checks)} checks passed")
     return 1 if failed else 0
+
+
+def _report(cfg) -> int:
+    from pathlib import Path
+
+    from gearlab.report import build_report
+    from gearlab.tracking import tracking_uri
+
+    try:
+        rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric, baseline=cfg.compare.baseline,
+                           target=cfg.compare.target, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
+    except ValueError as e:
+        from gearlab.config import ConfigError
+
+        raise ConfigError(str(e)) from None
+    print(rep.table)
+    if rep.missing:
+        print("missing runs: " + ", ".join(rep.missing))
+    print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")
+    return 0
+
+
+def _replay(cfg) -> int:
+    from gearlab.replay import replay
+
+    out = replay(cfg)
+    for k, v in out.items():
+        print(f"{k}: {v}")
+    return 0
 
 
 def _inspect(cfg) -> int:

@@ -109,6 +109,7 @@ class TrainerConfig:
     max_nonfinite: int = 3  # consecutive non-finite losses before the run stops (after a checkpoint)
     reward_errors: str = "zero"  # zero (score 0 and count) | raise
     log_every: int = 1
+    eval_every: int = 0  # held-out evaluation every N iterations (0 = only before the first and after the last)
     progress_bar: bool = True
 
 
@@ -117,6 +118,7 @@ class LoggingConfig:
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db
     experiment: str = "gearlab"
     tags: dict[str, str] = field(default_factory=dict)
+    parent_run_id: str | None = None  # set by `gearlab compare`: the comparison's parent MLflow run
 
 
 @dataclass
@@ -130,9 +132,27 @@ class WarmstartConfig:
 @dataclass
 class EvalConfig:
     checkpoint: str | None = None  # a Lightning checkpoint or an HF folder; None = model.name_or_path
-    num_problems: int = 200
+    num_problems: int = 200  # 0 = no held-out evaluation during training
     k: int = 4
     temperature: float = 1.0
+
+
+@dataclass
+class CompareConfig:
+    name: str = "embedded"  # the comparison id; re-running the same name resumes it
+    assigners: list[str] = field(default_factory=lambda: ["grpo", "gear"])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    workers: int = 1  # >1: children run as parallel processes
+    baseline: str = "grpo"
+    metric: str = "eval/greedy_accuracy"  # the report's headline metric (final value of each child)
+    target: float | None = None  # accuracy to reach for "steps to target" (None: skip that column)
+
+
+@dataclass
+class ReplayConfig:
+    rollouts: str = "rollouts.pt"  # cached rollout file: read if it exists, else sampled and written here
+    assigners: list[str] = field(default_factory=list)  # empty = every applicable one
+    prompts: int = 16
 
 
 @dataclass
@@ -156,6 +176,8 @@ class Config:
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 def conf_dir() -> Path:
@@ -207,6 +229,10 @@ def load_config(overrides: list[str] | None = None) -> Config:
     # experiment first so that explicit group selections and dotted keys override it
     groups.sort(key=lambda kv: kv[0] != "experiment")
     for group, name in groups:
+        if group == "assigner" and not (conf_dir() / "assigner" / f"{name}.yaml").is_file():
+            # a plug-in without a YAML: its defaults are its __init__'s; an unknown name fails at preflight
+            cfg = _merge(cfg, OmegaConf.create({"assigner": {"name": name}}), f"assigner={name}")
+            continue
         cfg = _merge(cfg, _load_group(group, name), f"conf/{group}/{name}.yaml")
     for item in dotted:
         cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override {item!r}")

@@ -36,6 +36,16 @@ def evaluate(cfg: Config) -> dict[str, Any]:
     model, tok, name = _load(cfg)
     if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"):
         model = model.cuda()
+    return {"model": name, "task": cfg.task.name, **evaluate_model(model, tok, task, cfg)}
+
+
+@torch.no_grad()
+def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
+    """Greedy accuracy, avg@k and unbiased pass@k on ``eval.num_problems`` test problems.
+
+    The problems and sampling seeds depend only on ``trainer.seed``, so every run of a paired
+    comparison is evaluated on the same problems with the same random numbers.
+    """
     problems = task.problems("test", cfg.eval.num_problems, cfg.trainer.seed)
     engine = HFRolloutEngine(tok, task, batch_size=cfg.rollout.batch_size)
     t0 = time.time()
@@ -47,7 +57,7 @@ def evaluate(cfg: Config) -> dict[str, Any]:
                                                       top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
     correct = (sampled.rewards >= 1 - 1e-6).float().view(-1, k).sum(-1)
     return {
-        "model": name, "task": cfg.task.name, "problems": len(problems),
+        "problems": len(problems),
         "greedy_accuracy": float((greedy.rewards >= 1 - 1e-6).float().mean()),
         f"avg@{k}": float(correct.mean() / k),
         f"pass@{k}": float(pass_at_k(correct, k, k).mean()),

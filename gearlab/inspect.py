@@ -59,7 +59,10 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
             _, sig = provider.compute(batch, todo, with_logprobs=False, options={"seed": seed, **a.signal_options()})
             cache.update({(ctx, s): v for s, v in sig.items()})
         res = a.assign(batch, seq_adv, {s: cache[(ctx, s)] for s in a.needs})
-        out["credit"][name] = res.token_advantages.float()
+        adv = res.token_advantages.float()
+        if res.loss_mask is not None:  # tokens outside the loss mask get no gradient: their effective credit is 0
+            adv = adv * (res.loss_mask.bool() & batch.response_mask).float()
+        out["credit"][name] = adv
         out["metrics"][name] = {k: float(v) for k, v in res.metrics.items()}
         if getattr(a, "last_segments", None) is not None:
             out["segments"][name] = a.last_segments

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import zlib
 from typing import Any
 
 import lightning as L
@@ -119,6 +120,7 @@ class GRPOModule(L.LightningModule):
         self.iterations_done = it + 1
         self.assigner.on_step_end(self.iterations_done)
         self.teacher.after_iteration(self.iterations_done)
+        upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
         self._log_iteration(rb, seq_adv, credit.metrics, upd)
 
     def _update(self, rb: RolloutBatch, adv: Tensor, loss_mask: Tensor, it: int) -> dict[str, float]:
@@ -213,8 +215,8 @@ class GRPOModule(L.LightningModule):
         self.totals["reward_errors"] += int(rb.meta.get("reward_errors", 0))
         gen_tokens = int(self._global_sum(rb.attention_mask.sum().float()))
         self.totals["generated_tokens"] += gen_tokens
-        self.log("reward", reward, prog_bar=True, on_step=True)
-        self.log("acc", acc, prog_bar=True, on_step=True)
+        self.log("reward", reward, prog_bar=True, on_step=True, logger=False)
+        self.log("acc", acc, prog_bar=True, on_step=True, logger=False)
         lens = rb.response_mask.sum(-1).float()
         out = {
             "train/reward": reward, "train/accuracy": acc, f"train/pass@{G}": pk,
@@ -225,9 +227,16 @@ class GRPOModule(L.LightningModule):
             "train/nonfinite_steps_total": float(self.totals["nonfinite_steps"]),
             "train/reward_errors_total": float(self.totals["reward_errors"]),
         }
+        data_crc = upd.pop("data_crc")  # fingerprint of this iteration's prompts: paired runs must agree
+        out["train/data_crc"] = data_crc
         out.update({(f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"): v for k, v in upd.items()})
         out.update({f"credit/{k}": v for k, v in credit_metrics.items()})
-        self.log_dict({k: float(v) for k, v in out.items()}, on_step=True, prog_bar=False)
+        out = {k: float(v) for k, v in out.items()}
+        self.last_metrics = out
+        # written to the logger now, synchronously, with step = iteration: a checkpoint taken at the end of
+        # this iteration can then never be ahead of the metrics on record (a kill right after it loses none)
+        if self._trainer is not None and self.trainer.is_global_zero and self.trainer.logger is not None:
+            self.trainer.logger.log_metrics(out, step=self.iterations_done - 1)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:

@@ -49,6 +49,8 @@ def make_logger(cfg: Config, run_dir: Path, *, model_name: str) -> GearlabMLFlow
     run_id = id_file.read_text().strip() if id_file.is_file() else None
     tags = {"assigner": cfg.assigner.name, "seed": str(cfg.trainer.seed), "task": cfg.task.name,
             "model": model_name, "git_sha": git_sha(), **dict(cfg.logging.tags)}
+    if cfg.logging.parent_run_id:
+        tags["mlflow.parentRunId"] = cfg.logging.parent_run_id
     logger = GearlabMLFlowLogger(experiment_name=cfg.logging.experiment, run_name=run_dir.name,
                                  tracking_uri=tracking_uri(cfg), tags=tags, run_id=run_id)
     # Lightning calls mlflow.set_tracking_uri, which also exports MLFLOW_TRACKING_URI: undo that so a

@@ -139,6 +139,34 @@ class IterationCheckpoint(Callback):
             self.save(trainer, "nonfinite.ckpt")  # for inspection; last.ckpt stays the last good boundary
 
 
+class PeriodicEval(Callback):
+    """Held-out evaluation (greedy accuracy, avg@k, pass@k) before training, every ``every`` iterations
+    and after the last; logged as ``eval/*`` at step = completed iterations."""
+
+    def __init__(self, cfg: Config, task: Task) -> None:
+        self.cfg, self.task = cfg, task
+
+    def _run(self, trainer: L.Trainer, module: GRPOModule) -> None:
+        from gearlab.evaluate import evaluate_model
+
+        res = evaluate_model(module.policy, module.tokenizer, self.task, self.cfg)
+        k = self.cfg.eval.k
+        metrics = {"eval/greedy_accuracy": res["greedy_accuracy"], f"eval/avg@{k}": res[f"avg@{k}"],
+                   f"eval/pass@{k}": res[f"pass@{k}"]}
+        if trainer.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics(metrics, step=module.iterations_done)
+        module.last_eval = metrics
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if pl_module.iterations_done == 0:
+            self._run(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        it, every = pl_module.iterations_done, self.cfg.trainer.eval_every
+        if it == self.cfg.trainer.max_steps or (every > 0 and it % every == 0):
+            self._run(trainer, pl_module)
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -168,6 +196,8 @@ def train(cfg: Config) -> TrainResult:
                           seed=cfg.trainer.seed)
     ckpt = IterationCheckpoint(ckpt_dir, cfg.trainer.checkpoint_every, cfg.trainer.max_steps, to_yaml(cfg))
     callbacks: list[Callback] = [ckpt]
+    if cfg.eval.num_problems > 0:
+        callbacks.insert(0, PeriodicEval(cfg, task))  # before the checkpoint: the last eval lands in the run first
     if cfg.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     trainer = L.Trainer(
@@ -182,6 +212,6 @@ def train(cfg: Config) -> TrainResult:
     if trainer.is_global_zero:
         module.policy.save_pretrained(rdir / "final")
         tok.save_pretrained(rdir / "final")
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    metrics = dict(getattr(module, "last_metrics", {}), **getattr(module, "last_eval", {}))
     (rdir / "summary.json").write_text(json.dumps({"mlflow_run_id": logger.run_id, "metrics": metrics}, indent=2))
     return TrainResult(rdir, logger.run_id, logger._tracking_uri, metrics)

@@ -15,7 +15,8 @@ from gearlab.train import train
 def _overrides(tmp_path, model_dir, *extra):
     return [f"model.name_or_path={model_dir}", f"trainer.output_dir={tmp_path}", "trainer.max_steps=3",
             "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
-            "algorithm.micro_batch_size=8", "trainer.progress_bar=false", "optim.lr=1e-3", *extra]
+            "algorithm.micro_batch_size=8", "trainer.progress_bar=false", "optim.lr=1e-3", "eval.num_problems=8",
+            "rollout.batch_size=64", *extra]
 
 
 def _params(run_dir):
@@ -78,7 +79,8 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
     (["trainer.max_stepz=3"], "trainer.max_stepz"),
     (["trainer.max_steps=three"], "trainer.max_steps"),
     (["model.name_or_path=./no/such/model"], "model folder not found"),
-    (["assigner=no_such_method"], "no assigner named"),
+    (["assigner=no_such_method"], "unknown credit assigner 'no_such_method'; known: "),
+    (["task=no_such_task"], "no task named"),
     (["assigner.options.bogus=1"], "assigner 'grpo'"),
 ])
 def test_bad_config_is_one_line_exit_2(tmp_path, bad, needle):

@@ -18,7 +18,8 @@ TURN = [n for n in credit.available() if credit.get(n).requires_turns]
 def test_assigner_trains_end_to_end(name, tmp_path, tiny_model_dir):
     cfg = load_config([f"assigner={name}", f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
                        "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4",
-                       "rollout.max_new_tokens=12", "trainer.progress_bar=false", "algorithm.mini_batches=2"])
+                       "rollout.max_new_tokens=12", "trainer.progress_bar=false", "algorithm.mini_batches=2",
+                       "eval.num_problems=4"])
     res = train(cfg)
     run = mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.tags["assigner"] == name

@@ -1,0 +1,175 @@
+"""``gearlab compare``: a paired head-to-head of credit methods, recorded in MLflow.
+
+Every (assigner, seed) pair is one child training run. For a given seed all children start from
+the same checkpoint, see the same prompts in the same order (the data stream is a function of the
+seed) and draw their samples from the same per-step seeds, so the credit method is the only
+difference between two children of one seed. One MLflow experiment holds a parent run for the
+comparison and one child run per pair (tags ``comparison_id``, ``assigner``, ``seed``).
+Re-running the same command skips finished children and resumes a partial one from its checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import RunStatus
+from omegaconf import OmegaConf
+
+from gearlab import credit
+from gearlab.config import Config, ConfigError, flatten, load_config
+from gearlab.tracking import git_sha, tracking_uri
+
+
+@dataclass
+class Child:
+    assigner: str
+    seed: int
+    overrides: list[str]
+
+    @property
+    def label(self) -> str:
+        return f"{self.assigner}-s{self.seed}"
+
+
+def experiment_name(cfg: Config) -> str:
+    return f"compare/{cfg.compare.name}"
+
+
+def plan(cfg: Config, base_overrides: list[str], model_path: str, parent_id: str) -> list[Child]:
+    """Seed-major order, so an interrupted comparison has every method for its first seeds."""
+    out = []
+    for seed in cfg.compare.seeds:
+        for a in cfg.compare.assigners:
+            out.append(Child(a, seed, [*base_overrides, f"assigner={a}", f"trainer.seed={seed}",
+                                       f"model.name_or_path={model_path}",
+                                       f"trainer.run_name={cfg.compare.name}/{a}-s{seed}",
+                                       f"logging.experiment={experiment_name(cfg)}",
+                                       f"logging.tracking_uri={tracking_uri(cfg)}",
+                                       f"logging.tags.comparison_id={cfg.compare.name}",
+                                       f"logging.parent_run_id={parent_id}"]))
+    return out
+
+
+def find_runs(client: mlflow.MlflowClient, exp_id: str, comparison: str) -> tuple[object | None, dict[tuple[str, int], object]]:
+    """(parent run, {(assigner, seed): child run}) of a comparison."""
+    runs = client.search_runs([exp_id], f"tags.comparison_id = '{comparison}'", max_results=5000)
+    parent, children = None, {}
+    for r in runs:
+        if r.data.tags.get("gearlab.role") == "parent":
+            parent = r
+        elif "assigner" in r.data.tags:
+            children[(r.data.tags["assigner"], int(r.data.tags["seed"]))] = r
+    return parent, children
+
+
+def compare(cfg: Config, base_overrides: list[str]) -> dict:
+    from gearlab.train import embedded_dir, preflight, run_warmstart
+
+    names = list(cfg.compare.assigners)
+    for spec in cfg.assigner.plugins:
+        credit.load_module(spec)
+    unknown = [n for n in names if n not in credit.available()]
+    if unknown:
+        raise ConfigError(f"key 'compare.assigners': unknown {unknown}; known: {', '.join(credit.available())}")
+    if not cfg.compare.seeds:
+        raise ConfigError("key 'compare.seeds': at least one seed is needed")
+    if cfg.compare.baseline not in names:
+        raise ConfigError(f"key 'compare.baseline': {cfg.compare.baseline!r} is not among compare.assigners {names}")
+    for a in names:  # every child's configuration is checked before any work
+        preflight(load_config([*base_overrides, f"assigner={a}"]))
+    # the shared initial checkpoint: made once, then every child points at the same folder
+    model_path = cfg.model.name_or_path
+    if model_path == "embedded:tiny-arith":
+        d = embedded_dir(cfg, model_path)
+        if not (d / "config.json").is_file():
+            print(f"[compare] warm-starting the embedded model into {d}", flush=True)
+            run_warmstart(cfg)
+        model_path = str(d.resolve())
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    exp = client.get_experiment_by_name(experiment_name(cfg))
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment_name(cfg))
+    parent, done = find_runs(client, exp_id, cfg.compare.name)
+    if parent is None:
+        parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
+            "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
+            "assigners": ",".join(names), "seeds": ",".join(map(str, cfg.compare.seeds)), "baseline": cfg.compare.baseline})
+        params = {k: str(v)[:6000] for k, v in flatten(cfg).items() if not k.startswith("assigner.")}
+        for k, v in params.items():
+            client.log_param(parent.info.run_id, k, v)
+        client.log_text(parent.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+    else:
+        client.update_run(parent.info.run_id, status="RUNNING")
+    pid = parent.info.run_id
+    children = plan(cfg, base_overrides, model_path, pid)
+    todo = [c for c in children if not (c.assigner, c.seed) in done
+            or done[(c.assigner, c.seed)].info.status != RunStatus.to_string(RunStatus.FINISHED)]
+    print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} seeds), "
+          f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}", flush=True)
+    t_start, durations, failed = time.time(), [], []
+
+    def finish(c: Child, ok: bool, secs: float, err: str = "") -> None:
+        durations.append(secs)
+        left = len(todo) - len(durations)
+        eta = sum(durations) / len(durations) * left / max(1, cfg.compare.workers)
+        status = "finished" if ok else f"FAILED ({err.strip().splitlines()[-1][:120] if err.strip() else 'error'})"
+        print(f"[compare] [{len(durations)}/{len(todo)}] {c.label:20s} {status} in {secs:.0f}s — ETA {eta / 60:.1f} min", flush=True)
+        if not ok:
+            failed.append(c.label)
+            _mark_failed(client, exp_id, cfg.compare.name, c, err)
+
+    if cfg.compare.workers <= 1:
+        for c in todo:
+            t0 = time.time()
+            try:
+                _run_in_process(c)
+                finish(c, True, time.time() - t0)
+            except Exception as e:  # a crashed child is recorded and the comparison goes on
+                finish(c, False, time.time() - t0, f"{type(e).__name__}: {e}")
+    else:
+        threads = max(1, (os.cpu_count() or 1) // cfg.compare.workers)
+
+        def work(c: Child) -> None:
+            t0 = time.time()
+            ok, err = _run_subprocess(c, threads)
+            finish(c, ok, time.time() - t0, err)
+
+        with ThreadPoolExecutor(cfg.compare.workers) as pool:
+            list(pool.map(work, todo))
+    from gearlab.report import build_report
+
+    rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric, baseline=cfg.compare.baseline,
+                       target=cfg.compare.target, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
+    client.set_terminated(pid, "FINISHED" if not failed else "FAILED")
+    print(rep.table)
+    print(f"[compare] {len(children) - len(failed)}/{len(children)} runs finished in {(time.time() - t_start) / 60:.1f} min")
+    print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")
+    return {"failed": failed, "report": str(rep.markdown_path), "plot": str(rep.plot_path)}
+
+
+def _run_in_process(c: Child) -> None:
+    from gearlab.train import train
+
+    train(load_config(c.overrides))
+
+
+def _run_subprocess(c: Child, threads: int) -> tuple[bool, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *c.overrides,
+                          "trainer.progress_bar=false"], capture_output=True, text=True, env=env)
+    return out.returncode == 0, out.stderr[-4000:]
+
+
+def _mark_failed(client: mlflow.MlflowClient, exp_id: str, comparison: str, c: Child, err: str) -> None:
+    _, runs = find_runs(client, exp_id, comparison)
+    run = runs.get((c.assigner, c.seed))
+    if run is None:  # it died before its MLflow run existed: record a failed child anyway
+        run = client.create_run(exp_id, run_name=f"{comparison}/{c.label}", tags={
+            "comparison_id": comparison, "assigner": c.assigner, "seed": str(c.seed)})
+    client.set_tag(run.info.run_id, "error", err.strip()[-4000:] or "unknown error")
+    client.set_terminated(run.info.run_id, "FAILED")

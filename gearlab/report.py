@@ -1,0 +1,225 @@
+"""``gearlab report COMPARISON``: the comparison's table and curves, rebuilt from MLflow alone.
+
+Statistics: per method, the mean over seeds of each run's final value with a two-sided 95%
+Student-t interval (mean ± t_{0.975, n−1}·s/√n, s the unbiased std; no interval when n = 1); the
+paired difference to the baseline over the seeds both finished, with the same t-interval on the
+per-seed differences. n is printed next to every number. Steps to target use the training accuracy
+smoothed over a 5-iteration window; a run that never reaches it is reported as such.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import RunStatus
+
+from gearlab.metrics import sanitize_metric_key
+
+CURVE = "train/accuracy"
+SMOOTH = 5
+
+
+@dataclass
+class Report:
+    table: str
+    markdown_path: Path
+    plot_path: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+def t_interval(xs: list[float]) -> tuple[float, float | None]:
+    """(mean, half-width of the 95% Student-t interval) — half-width None when n < 2."""
+    n = len(xs)
+    if n == 0:
+        return float("nan"), None
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, None
+    from scipy.stats import t
+
+    s = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    return mean, float(t.ppf(0.975, n - 1)) * s / math.sqrt(n)
+
+
+def _fmt(mean: float, hw: float | None, n: int, pct: bool = False) -> str:
+    if math.isnan(mean):
+        return "–"
+    f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.3g}")
+    return f"{f(mean)} ± {f(hw)} (n={n})" if hw is not None else f"{f(mean)} (n={n})"
+
+
+def _history(client: mlflow.MlflowClient, run_id: str, key: str) -> list[tuple[int, float, int]]:
+    h = client.get_metric_history(run_id, sanitize_metric_key(key))
+    last: dict[int, Any] = {}
+    for m in h:  # a resumed run may log a step twice: keep the latest value
+        if m.step not in last or m.timestamp >= last[m.step].timestamp:
+            last[m.step] = m
+    return [(s, last[s].value, last[s].timestamp) for s in sorted(last)]
+
+
+def _smooth(vals: list[float], w: int = SMOOTH) -> list[float]:
+    return [sum(vals[max(0, i - w + 1): i + 1]) / len(vals[max(0, i - w + 1): i + 1]) for i in range(len(vals))]
+
+
+def load_comparison(tracking: str, comparison: str) -> tuple[mlflow.MlflowClient, Any, list[Any], list[Any]]:
+    client = mlflow.MlflowClient(tracking)
+    exp = client.get_experiment_by_name(f"compare/{comparison}")
+    if exp is None:
+        raise ValueError(f"no comparison named {comparison!r} at {tracking} (no MLflow experiment 'compare/{comparison}')")
+    runs = client.search_runs([exp.experiment_id], f"tags.comparison_id = '{comparison}'", max_results=5000)
+    parent = next((r for r in runs if r.data.tags.get("gearlab.role") == "parent"), None)
+    children = [r for r in runs if "assigner" in r.data.tags and r.data.tags.get("gearlab.role") != "parent"]
+    return client, parent, children, runs
+
+
+def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_accuracy", baseline: str = "grpo",
+                 target: float | None = None, out_dir: Path | str = "report", log_to_parent: bool = True) -> Report:
+    client, parent, children, _ = load_comparison(tracking, comparison)
+    if parent is not None:
+        baseline = parent.data.tags.get("baseline", baseline) if baseline is None else baseline
+        order = parent.data.tags.get("assigners", "").split(",")
+        seeds = [int(s) for s in parent.data.tags.get("seeds", "").split(",") if s]
+    else:
+        order, seeds = sorted({r.data.tags["assigner"] for r in children}), []
+    order = [a for a in order if a] or sorted({r.data.tags["assigner"] for r in children})
+    finished = {(r.data.tags["assigner"], int(r.data.tags["seed"])): r for r in children
+                if r.info.status == RunStatus.to_string(RunStatus.FINISHED)}
+    seeds = seeds or sorted({s for _, s in finished})
+    missing = [f"{a}-s{s} ({_status(children, a, s)})" for a in order for s in seeds if (a, s) not in finished]
+    key = sanitize_metric_key(metric)
+    final: dict[str, dict[int, float]] = {a: {} for a in order}
+    curves: dict[str, list[list[float]]] = {a: [] for a in order}
+    cost: dict[str, list[dict[str, float]]] = {a: [] for a in order}
+    reach: dict[str, list[dict[str, float] | None]] = {a: [] for a in order}
+    for (a, s), r in finished.items():
+        if a not in final:
+            continue
+        hist = _history(client, r.info.run_id, key)
+        if hist:
+            final[a][s] = hist[-1][1]
+        acc = _history(client, r.info.run_id, CURVE)
+        curves[a].append([v for _, v, _ in acc])
+        it_time = [sum(v) for v in zip(*[[x for _, x, _ in _history(client, r.info.run_id, f"time/{p}")]
+                                          for p in ("rollout_s", "signals_credit_s", "update_s")])]
+        toks = _history(client, r.info.run_id, "train/generated_tokens_total")
+        cost[a].append({"s_per_iter": sum(it_time) / max(1, len(it_time)),
+                        "wall_min": ((r.info.end_time or 0) - r.info.start_time) / 60000,
+                        "tokens": toks[-1][1] if toks else float("nan")})
+        if target is not None and acc:
+            sm = _smooth([v for _, v, _ in acc])
+            hit = next((i for i, v in enumerate(sm) if v >= target), None)
+            tok_at = {st: v for st, v, _ in toks}
+            reach[a].append(None if hit is None else {
+                "steps": acc[hit][0] + 1, "wall_s": (acc[hit][2] - acc[0][2]) / 1000, "tokens": tok_at.get(acc[hit][0], float("nan"))})
+    rows = []
+    for a in order:
+        vals = [final[a][s] for s in sorted(final[a])]
+        mean, hw = t_interval(vals)
+        row: dict[str, Any] = {"assigner": a, "n": len(vals), "mean": mean, "ci95": hw}
+        if a != baseline:
+            common = sorted(set(final[a]) & set(final.get(baseline, {})))
+            diffs = [final[a][s] - final[baseline][s] for s in common]
+            dm, dhw = t_interval(diffs)
+            row.update(diff=dm, diff_ci95=dhw, diff_n=len(diffs))
+        c = cost[a]
+        row.update({k: (sum(x[k] for x in c) / len(c) if c else float("nan")) for k in ("s_per_iter", "wall_min", "tokens")})
+        if target is not None:
+            hits = [x for x in reach[a] if x is not None]
+            row["reached"] = f"{len(hits)}/{len(reach[a])}"
+            for k in ("steps", "wall_s", "tokens"):
+                row[f"to_target_{k}"] = sum(h[k] for h in hits) / len(hits) if hits else float("nan")
+        rows.append(row)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = _table(rows, metric, baseline, target, pct=metric.endswith("accuracy") or "@" in metric)
+    plot = out / "curves.png"
+    _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric)
+    md = out / "report.md"
+    md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target))
+    (out / "report.json").write_text(json.dumps({"comparison": comparison, "metric": metric, "baseline": baseline,
+                                                 "rows": rows, "missing": missing}, indent=2, default=str))
+    if log_to_parent and parent is not None:
+        for f in (md, plot, out / "report.json"):
+            client.log_artifact(parent.info.run_id, str(f), "report")
+    return Report(table, md, plot, rows, missing)
+
+
+def _status(children: list[Any], a: str, s: int) -> str:
+    for r in children:
+        if r.data.tags.get("assigner") == a and r.data.tags.get("seed") == str(s):
+            err = r.data.tags.get("error", "").strip().splitlines()
+            return r.info.status.lower() + (f": {err[-1][:100]}" if err else "")
+    return "not run"
+
+
+def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float | None, pct: bool) -> str:
+    head = ["method", f"final {metric}" + (" (%)" if pct else ""), f"Δ vs {baseline} (paired)", "s / iter", "wall min", "gen. tokens"]
+    if target is not None:
+        head += [f"reached {target:g}", "steps to target", "wall s to target", "tokens to target"]
+    lines = [head]
+    for r in rows:
+        d = "baseline" if r["assigner"] == baseline else _fmt(r.get("diff", float("nan")), r.get("diff_ci95"), r.get("diff_n", 0), pct)
+        line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct), d, f"{r['s_per_iter']:.2f}", f"{r['wall_min']:.1f}",
+                f"{r['tokens']:.0f}" if r["tokens"] == r["tokens"] else "–"]
+        if target is not None:
+            line += [r["reached"]] + [f"{r[f'to_target_{k}']:.0f}" if r[f"to_target_{k}"] == r[f"to_target_{k}"] else "–"
+                                      for k in ("steps", "wall_s", "tokens")]
+        lines.append(line)
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    fmt = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])])
+
+
+def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric, baseline, target) -> str:
+    parts = [f"# Comparison `{comparison}`", "",
+             f"Source: MLflow at `{tracking}`, experiment `compare/{comparison}` (this report reads nothing else).", "",
+             f"Headline: final `{metric}` of each run (the held-out evaluation after the last iteration). "
+             "Mean ± half-width of the two-sided 95% Student-t interval over seeds; n = seeds. "
+             f"Δ = paired per-seed difference to `{baseline}` (same seeds, same prompts, same sampling seeds), "
+             "same interval on the differences. s / iter = rollout + signals + update per iteration.", "", table, ""]
+    if target is not None:
+        parts += [f"Steps to target: first iteration where the training accuracy, averaged over a {SMOOTH}-iteration window, "
+                  f"reaches {target:g}; averaged over the seeds that reached it.", ""]
+    parts += ["Learning curves: `curves.png` (training accuracy per iteration, mean over seeds with a 95% t band).", ""]
+    parts += (["Missing runs (not in the statistics): " + ", ".join(missing), ""] if missing else ["All runs finished.", ""])
+    return "\n".join(parts)
+
+
+def _plot(curves: dict[str, list[list[float]]], final_points: dict[str, dict[int, float]], path: Path, metric: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    for i, (a, runs) in enumerate(curves.items()):
+        if not runs:
+            continue
+        L = min(len(r) for r in runs)
+        sm = [_smooth(r[:L]) for r in runs]
+        stats = [t_interval([r[t] for r in sm]) for t in range(L)]
+        mean = [m for m, _ in stats]
+        hw = [h or 0.0 for _, h in stats]
+        line, = ax.plot(range(L), mean, label=f"{a} (n={len(runs)})")
+        ax.fill_between(range(L), [m - h for m, h in zip(mean, hw)], [m + h for m, h in zip(mean, hw)],
+                        color=line.get_color(), alpha=0.15)
+        pts = list(final_points.get(a, {}).values())
+        ax2.scatter([i] * len(pts), pts, color=line.get_color(), s=14)
+        m, h = t_interval(pts)
+        if pts:
+            ax2.errorbar([i + 0.2], [m], yerr=[[h or 0], [h or 0]], fmt="o", color=line.get_color(), capsize=3)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"training accuracy ({SMOOTH}-iteration mean)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax2.set_xticks(range(len(curves)), list(curves), rotation=45, fontsize=8)
+    ax2.set_title(f"final {metric}\n(dots: seeds; bar: mean ± 95% t)", fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
