@@ -107,6 +107,21 @@ class RolloutBatch:
             if isinstance(v, list) and len(v) != B:
                 raise ValueError(f"RolloutBatch.meta[{k!r}] has {len(v)} entries for {B} sequences")
 
+    @classmethod
+    def from_masks(cls, response_mask: Any, *, rewards: Any = None, group_ids: Any = None, prompt_len: int = 2,
+                   **fields: Any) -> "RolloutBatch":
+        """A batch for tests and hand-made examples: only the masks (and any other field) matter.
+
+        response_mask [B, T] (nested lists or a tensor); rewards default to 0, group ids to one group;
+        token ids are 1. Extra keyword fields (attention_mask, turn_ids, turn_rewards, meta, ...) pass through.
+        """
+        mask = torch.as_tensor(response_mask, dtype=torch.bool)
+        B, T = mask.shape
+        return cls(prompt_ids=torch.ones(B, prompt_len, dtype=torch.long), prompt_mask=torch.ones(B, prompt_len, dtype=torch.long),
+                   response_ids=torch.ones(B, T, dtype=torch.long), response_mask=mask,
+                   group_ids=torch.zeros(B, dtype=torch.long) if group_ids is None else torch.as_tensor(group_ids),
+                   rewards=torch.zeros(B) if rewards is None else torch.as_tensor(rewards, dtype=torch.float32), **fields)
+
     def select(self, idx: Tensor) -> "RolloutBatch":
         """The sub-batch of rows ``idx`` (a 1-D long tensor); meta lists are indexed too."""
         out = {}

@@ -125,7 +125,7 @@ def _color(v: float, scale: float) -> str:
 
 
 def _html(rec: dict[str, Any]) -> str:
-    parts = [f"<html><head><meta charset='utf-8'><title>gearlab credit</title><style>"
+    parts = ["<html><head><meta charset='utf-8'><title>gearlab credit</title><style>"
              "body{font-family:sans-serif;margin:20px} td{padding:2px 6px;vertical-align:top} .tok{font-family:monospace;"
              "white-space:pre;padding:1px 0;border-bottom:3px solid transparent} .seg{border-bottom-color:#1f5fbf}"
              "</style></head><body>",

@@ -21,7 +21,7 @@ from torchmetrics import MeanMetric
 from gearlab import grpo
 from gearlab.batch import RolloutBatch
 from gearlab.config import Config
-from gearlab.credit import CreditAssigner, Signal
+from gearlab.credit import CreditAssigner
 from gearlab.logprobs import response_hidden, token_logprobs
 from gearlab.metrics import pass_at_k
 from gearlab.rollout import HFRolloutEngine, SamplingParams, step_seed

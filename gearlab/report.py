@@ -167,8 +167,8 @@ def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float
         line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct), d, f"{r['s_per_iter']:.2f}", f"{r['wall_min']:.1f}",
                 f"{r['tokens']:.0f}" if r["tokens"] == r["tokens"] else "–"]
         if target is not None:
-            line += [r["reached"]] + [f"{r[f'to_target_{k}']:.0f}" if r[f"to_target_{k}"] == r[f"to_target_{k}"] else "–"
-                                      for k in ("steps", "wall_s", "tokens")]
+            line += [r["reached"]] + [f"{r[f'to_target_{k}']:.{1 if k == 'wall_s' else 0}f}"
+                                      if r[f"to_target_{k}"] == r[f"to_target_{k}"] else "–" for k in ("steps", "wall_s", "tokens")]
         lines.append(line)
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     fmt = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731

@@ -13,7 +13,7 @@ import torch
 
 from gearlab.compare import compare
 from gearlab.config import load_config
-from gearlab.report import build_report, t_interval
+from gearlab.report import t_interval
 from gearlab.train import train
 
 

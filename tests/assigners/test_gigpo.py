@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gearlab import credit
-from gearlab.batch import RolloutBatch
+from tests.assigners.turn_batches import make_batch
 from gearlab.contract import assert_contract
 from gearlab.grpo import group_advantages
 from gearlab.tasks.base import get_task
@@ -17,24 +17,6 @@ from gearlab.tasks.base import get_task
 NAN = float("nan")
 
 
-def make_batch(specs, turn_rewards, rewards, group_ids=None, obs=None):
-    B, T = len(specs), len(specs[0])
-    ids = torch.full((B, T), -1, dtype=torch.long)
-    gen = torch.zeros(B, T, dtype=torch.bool)
-    real = torch.zeros(B, T, dtype=torch.bool)
-    for i, s in enumerate(specs):
-        assert len(s) == T
-        for t, ch in enumerate(s):
-            if ch.isdigit():
-                ids[i, t], gen[i, t], real[i, t] = int(ch), True, True
-            elif ch in "abc":
-                ids[i, t], real[i, t] = "abc".index(ch), True
-    return RolloutBatch(prompt_ids=torch.ones(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
-                        response_ids=torch.ones(B, T, dtype=torch.long), response_mask=gen, attention_mask=real,
-                        group_ids=torch.tensor(group_ids if group_ids is not None else [0] * B),
-                        rewards=torch.tensor(rewards, dtype=torch.float),
-                        turn_ids=ids, turn_rewards=torch.tensor(turn_rewards, dtype=torch.float),
-                        meta={} if obs is None else {"anchor_obs": obs})
 
 
 def expect(specs, per_turn_values):

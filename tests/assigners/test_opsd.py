@@ -10,11 +10,7 @@ TL, SL = Signal.TEACHER_LOGPROBS, Signal.LOGPROBS
 
 
 def _batch(mask) -> RolloutBatch:
-    mask = torch.as_tensor(mask, dtype=torch.bool)
-    B, T = mask.shape
-    return RolloutBatch(prompt_ids=torch.ones(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
-                        response_ids=torch.ones(B, T, dtype=torch.long), response_mask=mask,
-                        group_ids=torch.zeros(B, dtype=torch.long), rewards=torch.zeros(B))
+    return RolloutBatch.from_masks(mask)
 
 
 MASK = [[1, 1, 1, 0], [1, 1, 0, 0]]
