@@ -93,7 +93,7 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
     missing = [f"{a}-s{s} ({_status(children, a, s)})" for a in order for s in seeds if (a, s) not in finished]
     key = sanitize_metric_key(metric)
     final: dict[str, dict[int, float]] = {a: {} for a in order}
-    curves: dict[str, list[list[float]]] = {a: [] for a in order}
+    curves: dict[str, dict[int, list[float]]] = {a: {} for a in order}
     cost: dict[str, list[dict[str, float]]] = {a: [] for a in order}
     reach: dict[str, list[dict[str, float] | None]] = {a: [] for a in order}
     for (a, s), r in finished.items():
@@ -103,7 +103,7 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
         if hist:
             final[a][s] = hist[-1][1]
         acc = _history(client, r.info.run_id, CURVE)
-        curves[a].append([v for _, v, _ in acc])
+        curves[a][s] = [v for _, v, _ in acc]
         it_time = [sum(v) for v in zip(*[[x for _, x, _ in _history(client, r.info.run_id, f"time/{p}")]
                                           for p in ("rollout_s", "signals_credit_s", "update_s")])]
         toks = _history(client, r.info.run_id, "train/generated_tokens_total")
@@ -138,7 +138,7 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
     out.mkdir(parents=True, exist_ok=True)
     table = _table(rows, metric, baseline, target, pct=metric.endswith("accuracy") or "@" in metric)
     plot = out / "curves.png"
-    _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric)
+    _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric, baseline=baseline)
     md = out / "report.md"
     md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target))
     (out / "report.json").write_text(json.dumps({"comparison": comparison, "metric": metric, "baseline": baseline,
@@ -190,36 +190,53 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
     return "\n".join(parts)
 
 
-def _plot(curves: dict[str, list[list[float]]], final_points: dict[str, dict[int, float]], path: Path, metric: str) -> None:
+def _band(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    L = min(len(r) for r in series)
+    stats = [t_interval([r[t] for r in series]) for t in range(L)]
+    mean = [m for m, _ in stats]
+    hw = [h or 0.0 for _, h in stats]
+    return mean, [m - h for m, h in zip(mean, hw)], [m + h for m, h in zip(mean, hw)]
+
+
+def _plot(curves: dict[str, dict[int, list[float]]], final_points: dict[str, dict[int, float]], path: Path, metric: str,
+          baseline: str) -> None:
+    """Left: training accuracy (mean over seeds, 95% t band). Middle: the paired per-seed difference to the
+    baseline (the same prompts make this far less noisy). Right: final metric per seed and its mean ± 95% t."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax, axd, ax2) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [3, 3, 1.3]})
+    base = {s: _smooth(v) for s, v in curves.get(baseline, {}).items()}
     for i, (a, runs) in enumerate(curves.items()):
-        if not runs:
-            continue
-        L = min(len(r) for r in runs)
-        sm = [_smooth(r[:L]) for r in runs]
-        stats = [t_interval([r[t] for r in sm]) for t in range(L)]
-        mean = [m for m, _ in stats]
-        hw = [h or 0.0 for _, h in stats]
-        line, = ax.plot(range(L), mean, label=f"{a} (n={len(runs)})")
-        ax.fill_between(range(L), [m - h for m, h in zip(mean, hw)], [m + h for m, h in zip(mean, hw)],
-                        color=line.get_color(), alpha=0.15)
+        color = f"C{i}"
+        if runs:
+            mean, lo, hi = _band([_smooth(r) for r in runs.values()])
+            ax.plot(range(len(mean)), mean, color=color, label=f"{a} (n={len(runs)})")
+            ax.fill_between(range(len(mean)), lo, hi, color=color, alpha=0.15)
+            common = sorted(set(runs) & set(base))
+            if a != baseline and common:
+                diffs = [[x - y for x, y in zip(_smooth(runs[s]), base[s])] for s in common]
+                mean, lo, hi = _band(diffs)
+                axd.plot(range(len(mean)), mean, color=color, label=f"{a} − {baseline} (n={len(common)})")
+                axd.fill_between(range(len(mean)), lo, hi, color=color, alpha=0.15)
         pts = list(final_points.get(a, {}).values())
-        ax2.scatter([i] * len(pts), pts, color=line.get_color(), s=14)
-        m, h = t_interval(pts)
+        ax2.scatter([i] * len(pts), pts, color=color, s=14)
         if pts:
-            ax2.errorbar([i + 0.2], [m], yerr=[[h or 0], [h or 0]], fmt="o", color=line.get_color(), capsize=3)
+            m, h = t_interval(pts)
+            ax2.errorbar([i + 0.2], [m], yerr=[[h or 0], [h or 0]], fmt="o", color=color, capsize=3)
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"training accuracy ({SMOOTH}-iteration mean)")
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    axd.axhline(0, color="k", lw=0.8)
+    axd.set_xlabel("iteration")
+    axd.set_ylabel("paired difference of training accuracy")
+    axd.legend(fontsize=8)
+    for a_ in (ax, axd, ax2):
+        a_.grid(alpha=0.3)
     ax2.set_xticks(range(len(curves)), list(curves), rotation=45, fontsize=8)
     ax2.set_title(f"final {metric}\n(dots: seeds; bar: mean ± 95% t)", fontsize=8)
-    ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
