@@ -186,6 +186,32 @@ def _input_grads_only(model: nn.Module) -> Iterator[None]:
         raise RuntimeError(f"input-gradient saliency created .grad on {len(new)} parameter(s)")
 
 
+@contextmanager
+def _layer_checkpointing(model: nn.Module) -> Iterator[bool]:
+    """Recompute each decoder layer in the backward instead of storing its activations (HF gradient
+    checkpointing), so the input-gradient pass of a long response costs about one layer of activations.
+
+    HF only checkpoints in training mode, so the model is switched to train() for the duration — done
+    only when that changes nothing numerically (no dropout anywhere); otherwise this is a no-op.
+    """
+    cfg = getattr(model, "config", None)
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+        float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop"))
+    if dropout or not getattr(model, "supports_gradient_checkpointing", False):
+        yield False
+        return
+    was_on, was_training = bool(getattr(model, "is_gradient_checkpointing", False)), model.training
+    if not was_on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        yield True
+    finally:
+        if not was_on:
+            model.gradient_checkpointing_disable()
+        model.train(was_training)
+
+
 @register_signal(Signal.INPUT_GRAD_SALIENCY)
 def input_grad_saliency(ctx: SignalContext) -> Tensor:
     """OAR-G saliency [B, T] float32 (see the module docstring)."""
@@ -225,10 +251,11 @@ def input_grad_saliency(ctx: SignalContext) -> Tensor:
                 rpos = reason[r].nonzero().flatten()
                 noise[r, P + rpos] = reasoning_noise(seed, i, rpos.numel(), e.shape[-1], sigma).to(e)
             x = e.clone().requires_grad_(True)
-            noisy = outcome(_last_hidden(model, inputs_embeds=x + noise, attention_mask=mask, position_ids=pos_ids),
-                            tpos, ttok, tvalid)
-            J = outcome.effect(clean, noisy).sum()  # independent per-sequence terms
-            (g,) = torch.autograd.grad(J, x)
+            with _layer_checkpointing(model):
+                noisy = outcome(_last_hidden(model, inputs_embeds=x + noise, attention_mask=mask, position_ids=pos_ids),
+                                tpos, ttok, tvalid)
+                J = outcome.effect(clean, noisy).sum()  # independent per-sequence terms
+                (g,) = torch.autograd.grad(J, x)
             acc = torch.promote_types(e.dtype, torch.float32)  # at least fp32 for the dot product
             sal = (g.to(acc) * e.to(acc)).sum(-1).abs()[:, P:L].float()  # [n, L-P]
             out[idx, : L - P] = sal * reason.float()

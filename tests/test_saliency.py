@@ -237,3 +237,21 @@ def test_signals_through_the_provider_and_assigners(tokenizer, tiny_model_factor
         out = a.assign(b, torch.tensor([1.0, -1.0]), sig)
         torch.testing.assert_close(out.token_advantages.sum(-1), torch.tensor([1.0, -1.0]) * b.response_mask.sum(-1))
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_oar_g_layer_checkpointing_changes_nothing(tokenizer, tiny_model_factory, monkeypatch):
+    """The input-gradient pass recomputes decoder layers in the backward (memory); values are identical
+    to the stored-activation pass, and the model's mode and checkpointing flag come back as they were."""
+    import contextlib
+
+    import gearlab.saliency as sal
+
+    model = tiny_model_factory(0)
+    b = _make_batch(tokenizer, PROMPTS, SOL)
+    with sal._layer_checkpointing(model) as on:
+        assert on and model.training and model.is_gradient_checkpointing
+    assert not model.training and not model.is_gradient_checkpointing
+    with_ckpt = input_grad_saliency(_ctx(model, tokenizer, b, seed=1))
+    monkeypatch.setattr(sal, "_layer_checkpointing", lambda m: contextlib.nullcontext(False))
+    without = input_grad_saliency(_ctx(model, tokenizer, b, seed=1))
+    torch.testing.assert_close(with_ckpt, without, rtol=1e-5, atol=1e-7)
