@@ -176,6 +176,11 @@ def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float
 
 
 def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric, baseline, target) -> str:
+    if tracking.startswith("sqlite:///"):  # a local file: show it relative to where the report is run from
+        try:
+            tracking = "sqlite:///" + str(Path(tracking[len("sqlite:///"):]).resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            pass
     parts = [f"# Comparison `{comparison}`", "",
              f"Source: MLflow at `{tracking}`, experiment `compare/{comparison}` (this report reads nothing else).", "",
              f"Headline: final `{metric}` of each run (the held-out evaluation after the last iteration). "
