@@ -16,7 +16,7 @@ TWO_GROUPS = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 0])
 TWO_IDS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
 
 
-def close(actual, expected, atol=1e-6, rtol=0.0):
+def assert_close_to(actual, expected, atol=1e-6, rtol=0.0):
     torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
                                torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=rtol)
 
@@ -26,15 +26,15 @@ def test_group_norm_hand_values():
     # [1,0,0,1]: mean 0.5; unbiased var = 4 * 0.25 / 3 = 1/3, std = 0.5773503
     # A = +-0.5 / (0.5773503 + 1e-6) = +-0.8660239
     adv = group_advantages(torch.tensor([1.0, 0, 0, 1]), torch.zeros(4, dtype=torch.long))
-    close(adv, [0.8660239, -0.8660239, -0.8660239, 0.8660239])
+    assert_close_to(adv, [0.8660239, -0.8660239, -0.8660239, 0.8660239])
 
 
 def test_dr_grpo_and_rloo_hand_values():
     # group means 0.5 and 0.75; Dr.GRPO is R - mean.
-    close(group_advantages(TWO_GROUPS, TWO_IDS, scale_by_std=False),
+    assert_close_to(group_advantages(TWO_GROUPS, TWO_IDS, scale_by_std=False),
           [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])
     # RLOO: R - mean(others): 1 - 1/3, 0 - 2/3 | 1 - 2/3, 0 - 1 (= verl RLOO row of anchors.md 4.3)
-    close(group_advantages(TWO_GROUPS, TWO_IDS, leave_one_out=True, scale_by_std=False),
+    assert_close_to(group_advantages(TWO_GROUPS, TWO_IDS, leave_one_out=True, scale_by_std=False),
           [2 / 3, -2 / 3, -2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, -1.0])
 
 
@@ -42,7 +42,7 @@ def test_batch_std_scope_hand_values():
     # batch mean 5/8; sum of squares 5 * 0.375^2 + 3 * 0.625^2 = 1.875; unbiased std sqrt(1.875/7)
     std = math.sqrt(1.875 / 7)
     adv = group_advantages(TWO_GROUPS, TWO_IDS, std_scope="batch", eps=1e-4)
-    close(adv, [x / (std + 1e-4) for x in [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]])
+    assert_close_to(adv, [x / (std + 1e-4) for x in [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]])
 
 
 def test_singleton_all_equal_and_zero_std_fraction():
@@ -52,7 +52,7 @@ def test_singleton_all_equal_and_zero_std_fraction():
         adv = group_advantages(rewards, ids, leave_one_out=loo)
         assert torch.equal(adv[[0, 1, 2, 6, 7]], torch.zeros(5))  # all-equal groups: exactly 0
         assert torch.isfinite(adv).all()
-        close(adv[3], 0.7 / (1 + 1e-6))  # verl: singleton mean 0, std 1
+        assert_close_to(adv[3], 0.7 / (1 + 1e-6))  # verl: singleton mean 0, std 1
         assert group_advantages(rewards, ids, leave_one_out=loo, singleton="zero")[3] == 0.0
     assert group_advantages(rewards, ids, scale_by_std=False)[3] == pytest.approx(0.7)
     # groups of size > 1: {5: all 0.1, 2: mixed, 7: all 0.3} -> 2 of 3 have zero std
@@ -62,16 +62,16 @@ def test_singleton_all_equal_and_zero_std_fraction():
 
 def test_anchor_golden_advantage_rows():
     """anchors.md 4.3, rewards [1,0,0,1 | 1,1,1,0]."""
-    close(group_advantages(TWO_GROUPS, TWO_IDS),  # verl, eps 1e-6
+    assert_close_to(group_advantages(TWO_GROUPS, TWO_IDS),  # verl, eps 1e-6
           [0.866024, -0.866024, -0.866024, 0.866024, 0.499999, 0.499999, 0.499999, -1.499997])
-    close(group_advantages(TWO_GROUPS, TWO_IDS, eps=1e-4),  # TRL scale_rewards="group"
+    assert_close_to(group_advantages(TWO_GROUPS, TWO_IDS, eps=1e-4),  # TRL scale_rewards="group"
           [0.865875, -0.865875, -0.865875, 0.865875, 0.4999, 0.4999, 0.4999, -1.4997])
-    close(group_advantages(TWO_GROUPS, TWO_IDS, scale_by_std=False),  # verl Dr.GRPO
+    assert_close_to(group_advantages(TWO_GROUPS, TWO_IDS, scale_by_std=False),  # verl Dr.GRPO
           [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])
     # NeMo-RL leave-one-out. Group 1, R=1: others [0,0,1], mean 1/3, unbiased std 1/sqrt(3),
     # (2/3)/(0.57735+1e-6) = 1.154699. Group 2, R=1: others [1,1,0] -> (1/3)/0.57735 = 0.577349;
     # R=0: others [1,1,1] have std 0 -> no division -> 0 - 1 = -1.
-    close(group_advantages(TWO_GROUPS, TWO_IDS, leave_one_out=True),
+    assert_close_to(group_advantages(TWO_GROUPS, TWO_IDS, leave_one_out=True),
           [1.154698, -1.154699, -1.154699, 1.154698, 0.577349, 0.577349, 0.577349, -1.0], atol=2e-6)
 
 
@@ -98,7 +98,7 @@ def test_vectorised_matches_loop(scale, loo):
     ids = sizes[torch.randperm(21, generator=g)] * 7  # shuffled, non-contiguous ids
     r = torch.rand(21, generator=g, dtype=torch.float64)
     r[::3] = (r[::3] > 0.5).double()
-    close(group_advantages(r, ids, scale_by_std=scale, leave_one_out=loo),
+    assert_close_to(group_advantages(r, ids, scale_by_std=scale, leave_one_out=loo),
           _loop_reference(r, ids, scale, loo), atol=1e-10)
 
 
@@ -144,12 +144,12 @@ def _verl_adv():
 def test_policy_loss_matches_verl(agg):
     loss, met = policy_loss(LOGP, OLD, _verl_adv(), MASK, clip_low=0.2, clip_high=0.28,
                             dual_clip=3.0, agg=agg)
-    close(loss, VERL_LOSS[agg], atol=1e-7)
+    assert_close_to(loss, VERL_LOSS[agg], atol=1e-7)
     assert round(loss.item(), 6) == ANCHORS_LOSS[agg]
-    close(met["clipfrac"], 0.0476190485060215, atol=1e-8)  # verl pg_clipfrac (1 of 21 tokens)
-    close(met["clipfrac_low"], 1 / 21, atol=1e-7)
-    close(met["dual_clipfrac"], 0.0)  # verl pg_clipfrac_lower
-    close(met["approx_kl"], 0.0528511218726635, atol=1e-8)  # verl ppo_kl
+    assert_close_to(met["clipfrac"], 0.0476190485060215, atol=1e-8)  # verl pg_clipfrac (1 of 21 tokens)
+    assert_close_to(met["clipfrac_low"], 1 / 21, atol=1e-7)
+    assert_close_to(met["dual_clipfrac"], 0.0)  # verl pg_clipfrac_lower
+    assert_close_to(met["approx_kl"], 0.0528511218726635, atol=1e-8)  # verl ppo_kl
     assert all(not v.requires_grad and v.dim() == 0 for v in met.values())
 
 
@@ -157,7 +157,7 @@ def test_sum_norm_verl_09_convention():
     # verl >= 0.8 also divides seq-mean-token-sum-norm by N_seq; verl 0.9.1 gives this value:
     loss, _ = policy_loss(LOGP, OLD, _verl_adv(), MASK, clip_high=0.28,
                           agg="seq-mean-token-sum-norm", loss_scale_factor=4 * 8)
-    close(loss, 0.03845682740211487, atol=1e-7)
+    assert_close_to(loss, 0.03845682740211487, atol=1e-7)
 
 
 def test_dual_clip_matches_verl():
@@ -166,11 +166,11 @@ def test_dual_clip_matches_verl():
     for agg, value in expected.items():
         loss, met = policy_loss(logp2, OLD, _verl_adv(), MASK, clip_high=0.28, dual_clip=3.0,
                                 agg=agg)
-        close(loss, value, atol=1e-7)
-        close(met["clipfrac"], 0.2857142984867096, atol=1e-7)
-        close(met["dual_clipfrac"], 0.0476190485060215, atol=1e-7)
-        close(met["approx_kl"], 0.2642555236816406, atol=1e-7)
-        close(met["clipfrac_low"] + met["clipfrac_high"], met["clipfrac"])
+        assert_close_to(loss, value, atol=1e-7)
+        assert_close_to(met["clipfrac"], 0.2857142984867096, atol=1e-7)
+        assert_close_to(met["dual_clipfrac"], 0.0476190485060215, atol=1e-7)
+        assert_close_to(met["approx_kl"], 0.2642555236816406, atol=1e-7)
+        assert_close_to(met["clipfrac_low"] + met["clipfrac_high"], met["clipfrac"])
 
 
 def test_kl_matches_verl():
@@ -179,7 +179,7 @@ def test_kl_matches_verl():
             "abs": 0.18470637500286102}  # masked means, verl 0.9.1 kl_penalty
     for kind, value in verl.items():
         for k in (kind, kind + "+"):
-            close(aggregate(kl_penalty(LOGP, ref, k), MASK, "token-mean"), value, atol=1e-7)
+            assert_close_to(aggregate(kl_penalty(LOGP, ref, k), MASK, "token-mean"), value, atol=1e-7)
     assert round(verl["k3"], 6) == 0.026583  # anchors.md 4.3
 
 
@@ -192,10 +192,10 @@ def test_dual_clip_hand_value_and_gradient():
     logp = torch.log(torch.tensor([[4.0, 2.0, 4.0]])).requires_grad_()
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
     loss, met = policy_loss(logp, old, adv, torch.ones(1, 3, dtype=torch.bool), dual_clip=3.0)
-    close(loss, (3 + 2 - 1.2) / 3)
-    close(met["dual_clipfrac"], 1 / 3)
+    assert_close_to(loss, (3 + 2 - 1.2) / 3)
+    assert_close_to(met["dual_clipfrac"], 1 / 3)
     loss.backward()
-    close(logp.grad, [[0.0, 2 / 3, 0.0]])
+    assert_close_to(logp.grad, [[0.0, 2 / 3, 0.0]])
     with pytest.raises(ValueError, match="dual_clip"):
         policy_loss(logp, old, adv, torch.ones(1, 3), dual_clip=1.0)
 
@@ -207,23 +207,23 @@ def test_clipfrac_hand_case():
     r = torch.tensor([[1.5, 0.5, 0.5, 1.5, 2.0, 9.0]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)
     loss, met = policy_loss(r.log(), torch.zeros(1, 6), adv, mask)
-    close(met["clipfrac"], 2 / 5)
-    close(met["clipfrac_high"], 1 / 5)
-    close(met["clipfrac_low"], 1 / 5)
-    close(met["ratio_mean"], (1.5 + 0.5 + 0.5 + 1.5 + 2.0) / 5)
-    close(loss, (-1.2 + 0.8 - 0.5 + 1.5 + 0.0) / 5)
+    assert_close_to(met["clipfrac"], 2 / 5)
+    assert_close_to(met["clipfrac_high"], 1 / 5)
+    assert_close_to(met["clipfrac_low"], 1 / 5)
+    assert_close_to(met["ratio_mean"], (1.5 + 0.5 + 0.5 + 1.5 + 2.0) / 5)
+    assert_close_to(loss, (-1.2 + 0.8 - 0.5 + 1.5 + 0.0) / 5)
 
 
 def test_aggregate_modes_hand_values():
     # rows: [1,2,(3)] len 2, [4,5,6] len 3, [7,8,9] len 0 (masked out entirely, not counted)
     L = torch.arange(1.0, 10.0).view(3, 3)
     m = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
-    close(aggregate(L, m, "token-mean"), 18 / 5)
-    close(aggregate(L, m, "seq-mean-token-mean"), (1.5 + 5) / 2)
-    close(aggregate(L, m, "seq-mean-token-sum"), 18 / 2)
-    close(aggregate(L, m, "seq-mean-token-sum-norm"), 18 / 3)  # T = 3, not divided by B
-    close(aggregate(L, m, "seq-mean-token-sum-norm", loss_scale_factor=6.0), 3.0)
-    close(aggregate(L, m, "token-mean", global_tokens=10, dp_size=2), 18 / 10 * 2)
+    assert_close_to(aggregate(L, m, "token-mean"), 18 / 5)
+    assert_close_to(aggregate(L, m, "seq-mean-token-mean"), (1.5 + 5) / 2)
+    assert_close_to(aggregate(L, m, "seq-mean-token-sum"), 18 / 2)
+    assert_close_to(aggregate(L, m, "seq-mean-token-sum-norm"), 18 / 3)  # T = 3, not divided by B
+    assert_close_to(aggregate(L, m, "seq-mean-token-sum-norm", loss_scale_factor=6.0), 3.0)
+    assert_close_to(aggregate(L, m, "token-mean", global_tokens=10, dp_size=2), 18 / 10 * 2)
     L[0, 2] = float("nan")  # padding may be garbage
     assert torch.isfinite(aggregate(L, m, "seq-mean-token-mean"))
 
@@ -248,14 +248,14 @@ def test_errors():
 def test_kl_kinds_hand_values():
     ref = torch.zeros(6)
     d = torch.tensor([0.5, -0.5, 0.0, 2.0, -30.0, 30.0])
-    close(kl_penalty(d, ref, "k1"), d)
-    close(kl_penalty(d, ref, "abs"), d.abs())
-    close(kl_penalty(d, ref, "k2"), [0.125, 0.125, 0.0, 2.0, 450.0, 450.0])
+    assert_close_to(kl_penalty(d, ref, "k1"), d)
+    assert_close_to(kl_penalty(d, ref, "abs"), d.abs())
+    assert_close_to(kl_penalty(d, ref, "k2"), [0.125, 0.125, 0.0, 2.0, 450.0, 450.0])
     # exp(-d) + d - 1: e^-0.5 - 0.5 = 0.1065307, e^0.5 - 1.5 = 0.1487213, 0, e^-2 + 1 = 1.1353353;
     # d = -30: -d clamped to 20, e^20 - 21 -> clamped to 10; d = 30: e^-20 + 19 -> 10.
-    close(kl_penalty(d, ref, "k3"), [0.1065307, 0.1487213, 0.0, 1.1353353, 10.0, 10.0])
+    assert_close_to(kl_penalty(d, ref, "k3"), [0.1065307, 0.1487213, 0.0, 1.1353353, 10.0, 10.0])
     for alias, kind in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("low_var_kl+", "k3+")):
-        close(kl_penalty(d, ref, alias), kl_penalty(d, ref, kind))
+        assert_close_to(kl_penalty(d, ref, alias), kl_penalty(d, ref, kind))
 
 
 @pytest.mark.parametrize("kind", ["k1+", "k2+", "k3+", "abs+", "low_var_kl+"])
@@ -269,7 +269,7 @@ def test_straight_through_has_k2_gradient(kind):
     assert torch.equal(value.detach(), kl_penalty(logp, ref, kind[:-1]).detach())
     (grad,) = torch.autograd.grad((value * w).sum(), logp)
     (grad_k2,) = torch.autograd.grad((kl_penalty(logp, ref, "k2") * w).sum(), logp)
-    close(grad, grad_k2, atol=1e-12)
+    assert_close_to(grad, grad_k2, atol=1e-12)
     (grad_plain,) = torch.autograd.grad((kl_penalty(logp, ref, kind[:-1]) * w).sum(), logp)
     if kind != "k2+":
         assert not torch.allclose(grad_plain, grad_k2)  # so the check above has teeth
@@ -317,11 +317,11 @@ def test_gradient_invariant_to_microbatches_and_ranks(agg):
     ratio = (logp - old).exp()
     assert ((ratio > 1.5) & (adv < 0) & mask).any() and ((ratio > 1.28) & (adv > 0) & mask).any()
     # (a) 4 micro-batches of 2, one process
-    close(_accumulated_grad(logp, mbs, loss), full, atol=1e-12)
+    assert_close_to(_accumulated_grad(logp, mbs, loss), full, atol=1e-12)
     # (b) 2 simulated ranks x 2 micro-batches each, dp_size=2, then DDP's average over ranks
     per_rank = [_accumulated_grad(logp, mbs[2 * k:2 * k + 2], lambda lf, rows: loss(lf, rows, dp=2))
                 for k in range(2)]
-    close((per_rank[0] + per_rank[1]) / 2, full, atol=1e-12)
+    assert_close_to((per_rank[0] + per_rank[1]) / 2, full, atol=1e-12)
     if agg == "token-mean":  # the bug the global counts fix: per-micro-batch normalisation
         local = _accumulated_grad(logp, mbs, lambda leaf, rows: loss(leaf, rows, c={}))
         assert not torch.allclose(local, full, atol=1e-6)
@@ -394,4 +394,4 @@ def test_two_process_ddp_matches_full_batch(tmp_path):
         _ddp_loss(model, data, slice(None), agg, {}, 1).backward()
         for p, g in zip(model.parameters(), grads[agg]):
             assert p.grad.abs().max() > 1e-3
-            close(g, p.grad, atol=1e-10)
+            assert_close_to(g, p.grad, atol=1e-10)
