@@ -105,7 +105,7 @@ def segs(*ranges):
     return row
 
 
-def close(actual, expected, atol=1e-6):
+def assert_close_to(actual, expected, atol=1e-6):
     torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64),
                                atol=atol, rtol=0.0)
 
@@ -127,27 +127,27 @@ def test_default_reading_a_hand_values():
         segs((2, 2)),  # stops at the masked tool token t3
         segs(),  # A = 0: skipped
     ]
-    close(a.last_weights[0], _pad(normed(SEQ0_A)))  # Σ = 5·1.5 + 4·0.5 + e^{1/3} = 10.8956 → ×10/10.8956
-    close(a.last_weights[1], _pad(normed(SEQ1_A)))  # Σ = 4·1.5 + 5·e^{−2/3} + e^{−1/3} = 9.2836 → ×10/9.2836
-    close(a.last_weights[2], _pad([9 / 7, 3 / 7, 3 / 7, 9 / 7, 9 / 7, 9 / 7]))
-    close(a.last_weights[3], _pad(normed(SEQ3)))  # Σ = 5·e^{−0.6} + 1.5 = 4.2441 → ×6/4.2441
-    close(a.last_weights[4], _pad([1.0] * 10))  # A = 0: neutral weight, reported for inspection only
+    assert_close_to(a.last_weights[0], _pad(normed(SEQ0_A)))  # Σ = 5·1.5 + 4·0.5 + e^{1/3} = 10.8956 → ×10/10.8956
+    assert_close_to(a.last_weights[1], _pad(normed(SEQ1_A)))  # Σ = 4·1.5 + 5·e^{−2/3} + e^{−1/3} = 9.2836 → ×10/9.2836
+    assert_close_to(a.last_weights[2], _pad([9 / 7, 3 / 7, 3 / 7, 9 / 7, 9 / 7, 9 / 7]))
+    assert_close_to(a.last_weights[3], _pad(normed(SEQ3)))  # Σ = 5·e^{−0.6} + 1.5 = 4.2441 → ×6/4.2441
+    assert_close_to(a.last_weights[4], _pad([1.0] * 10))  # A = 0: neutral weight, reported for inspection only
     expected = torch.tensor([_pad(normed(SEQ0_A)), [-x for x in _pad(normed(SEQ1_A))],
                              _pad([0.5 * x for x in [9 / 7, 3 / 7, 3 / 7, 9 / 7, 9 / 7, 9 / 7]]),
                              [-0.5 * x for x in _pad(normed(SEQ3))], [0.0] * T])
-    close(out.token_advantages, expected)
+    assert_close_to(out.token_advantages, expected)
     assert out.token_advantages.dtype == torch.float32
     # diagnostics over the 4 sequences with A ≠ 0: segments 2+2+1+1 = 6, tokens in them 4+4+2+1 = 11 of 10+10+6+6 = 32
     m = out.metrics
-    close(m["segments_per_seq"], 6 / 4)
-    close(m["segment_len_mean"], 11 / 6)
-    close(m["frac_tokens_in_segments"], 11 / 32)
-    close(m["frac_active_seqs"], 4 / 5)
+    assert_close_to(m["segments_per_seq"], 6 / 4)
+    assert_close_to(m["segment_len_mean"], 11 / 6)
+    assert_close_to(m["frac_tokens_in_segments"], 11 / 32)
+    assert_close_to(m["frac_active_seqs"], 4 / 5)
     w = a.last_weights
     in_seg = a.last_segments >= 0
     valid = batch.response_mask & (ADV != 0)[:, None]
-    close(m["weight_in_seg_mean"], w[in_seg].double().mean())
-    close(m["weight_out_seg_mean"], w[valid & ~in_seg].double().mean())
+    assert_close_to(m["weight_in_seg_mean"], w[in_seg].double().mean())
+    assert_close_to(m["weight_out_seg_mean"], w[valid & ~in_seg].double().mean())
 
 
 def test_reading_b_high_entropy_continues():
@@ -156,10 +156,10 @@ def test_reading_b_high_entropy_continues():
     # seq 3: t3 masked → [2] (as in reading (a))
     assert a.last_segments.tolist()[:4] == [segs((2, 2), (6, 7)), segs((2, 2), (6, 7)), segs((1, 1)), segs((2, 2))]
     # seq 0: Σ = 1.5·5 + 0.5·3 + 2·e^{1/3} = 11.7912 → ×10/11.7912
-    close(a.last_weights[0], _pad(normed(SEQ0_B)))
-    close(out.token_advantages[0], _pad(normed(SEQ0_B)))
+    assert_close_to(a.last_weights[0], _pad(normed(SEQ0_B)))
+    assert_close_to(out.token_advantages[0], _pad(normed(SEQ0_B)))
     # seq 2: w = [1.5, .5, 1.5 (t2 now per-token, g 0.4), 1.5, 1.5, 1.5], Σ = 8 → ×6/8
-    close(out.token_advantages[2], _pad([0.5 * x * 6 / 8 for x in [1.5, 0.5, 1.5, 1.5, 1.5, 1.5]]))
+    assert_close_to(out.token_advantages[2], _pad([0.5 * x * 6 / 8 for x in [1.5, 0.5, 1.5, 1.5, 1.5, 1.5]]))
 
 
 def test_segments_stop_at_turn_boundary_not_without_it():
@@ -188,7 +188,7 @@ def test_l_max_caps_the_segment():
     # seq 0, reading (a): [2, 4] is cut to [2, 3]; t4 becomes per-token (g = 1/3 → 1.5)
     assert a.last_segments[0].tolist() == segs((2, 3), (6, 6))
     w = [1.5, 1.5, 0.5, 0.5, 1.5, 1.5, 0.5, 1.5, 1.5, E13]  # Σ = 11.8956
-    close(out.token_advantages[0], _pad(normed(w)))
+    assert_close_to(out.token_advantages[0], _pad(normed(w)))
 
 
 def test_zero_advantage_sequences_stay_zero():
@@ -226,34 +226,34 @@ def test_mass_preserved_per_sequence(opts):
     assert a.preserves_mass
     out = a.assign(batch, ADV, sig)
     N = batch.response_mask.sum(1).double()
-    close(out.token_advantages.double().sum(1), N * ADV.double(), atol=1e-5)
+    assert_close_to(out.token_advantages.double().sum(1), N * ADV.double(), atol=1e-5)
 
 
 def test_normalisation_options():
     a, out, batch = run(normalisation="none")
     assert a.preserves_mass is False and GEARAssigner.preserves_mass is True
-    close(out.token_advantages[0], _pad(SEQ0_A))  # the raw clipped weights, no rescaling
-    close(out.token_advantages[2], _pad([0.5 * x for x in SEQ2]))
+    assert_close_to(out.token_advantages[0], _pad(SEQ0_A))  # the raw clipped weights, no rescaling
+    assert_close_to(out.token_advantages[2], _pad([0.5 * x for x in SEQ2]))
     a, out, _ = run(normalisation="group")
     assert a.preserves_mass is False
     # group 0 = seq 0, 1: one factor (10 + 10)/(Σw_0 + Σw_1) for both
     s0, s1 = sum(SEQ0_A), sum(SEQ1_A)
-    close(a.last_weights[0], _pad([x * 20 / (s0 + s1) for x in SEQ0_A]))
-    close(a.last_weights[1], _pad([x * 20 / (s0 + s1) for x in SEQ1_A]))
+    assert_close_to(a.last_weights[0], _pad([x * 20 / (s0 + s1) for x in SEQ0_A]))
+    assert_close_to(a.last_weights[1], _pad([x * 20 / (s0 + s1) for x in SEQ1_A]))
     a, _, _ = run(normalisation="batch")
     valid = batch.response_mask & (ADV != 0)[:, None]
-    close(a.last_weights[valid].double().sum(), 32.0, atol=1e-5)
+    assert_close_to(a.last_weights[valid].double().sum(), 32.0, atol=1e-5)
 
 
 def test_modulation_options():
     a, out, _ = run(modulation="none")
     assert a.last_segments[0].tolist() == segs((2, 4), (6, 6))  # segments are still found and reported
-    close(out.token_advantages, ADV[:, None] * make_batch()[0].response_mask.float())  # = GRPO
+    assert_close_to(out.token_advantages, ADV[:, None] * make_batch()[0].response_mask.float())  # = GRPO
     a, _, _ = run(modulation="exp_unsigned")
     # A < 0 now gets the A > 0 form: seq 1 weights equal seq 0's
-    close(a.last_weights[1], a.last_weights[0])
+    assert_close_to(a.last_weights[1], a.last_weights[0])
     a, _, _ = run(beta=0.0)
-    close(a.last_weights[:4], make_batch()[0].response_mask[:4].float())  # exp(0) = 1 everywhere
+    assert_close_to(a.last_weights[:4], make_batch()[0].response_mask[:4].float())  # exp(0) = 1 everywhere
 
 
 def test_deterministic_and_row_independent():
@@ -264,7 +264,7 @@ def test_deterministic_and_row_independent():
     # per-sequence scope: a sub-batch gives the same rows
     idx = torch.tensor([3, 0])
     o3 = a.assign(batch.select(idx), ADV[idx], {k: v[idx] for k, v in sig.items()})
-    close(o3.token_advantages, o1.token_advantages[idx])
+    assert_close_to(o3.token_advantages, o1.token_advantages[idx])
 
 
 # ---------------------------------------------------------------------------------- other paths
@@ -288,18 +288,18 @@ def test_sampled_divergence_clamped_and_unclamped():
     # mean d = 1.4/6 → g = 0, 30/7, 30/7, 30/7, 3/7, 3/7 → w = 1.5 (exp 1), .5, .5, .5, 1.5 (exp 4/7), 1.5; Σ = 6 → ×1
     out = a.assign(batch, torch.tensor([1.0]), sig)
     assert a.last_segments[0].tolist() == [-1, 0, 0, 0, -1, -1]
-    close(out.token_advantages[0], [1.5, 0.5, 0.5, 0.5, 1.5, 1.5])
+    assert_close_to(out.token_advantages[0], [1.5, 0.5, 0.5, 0.5, 1.5, 1.5])
     # unclamped: d[0] = −0.4, same onset and segment; mean d = 1/6 → g(t4, t5) = 0.6 → exp(0.4) = 1.4918;
     # g(t0) = −2.4 → exp(3.4) → 1.5; Σ = 3 + 2·e^{0.4} = 5.9836 → ×6/5.9836
     a = credit.build("gear", {"divergence": "sampled", "clamp_sampled": False})
     out = a.assign(batch, torch.tensor([1.0]), sig)
     assert a.last_segments[0].tolist() == [-1, 0, 0, 0, -1, -1]
-    close(out.token_advantages[0], normed([1.5, 0.5, 0.5, 0.5, math.exp(0.4), math.exp(0.4)]))
+    assert_close_to(out.token_advantages[0], normed([1.5, 0.5, 0.5, 0.5, math.exp(0.4), math.exp(0.4)]))
     # a non-positive mean of the unclamped estimate (Σd = −1) → g ≡ 1, so w ≡ 1 even though t2
     # (0.1 ≥ Q = 0 + .5·.1 = .05 and ≥ d_min, a local max) is an onset
     batch, sig = _one_seq([-0.5, -0.2, 0.1, -0.3, 0.0, -0.1], [0.1, 0.2, 0.1, 0.1, 0.2, 1.0])
     out = a.assign(batch, torch.tensor([-2.0]), sig)
-    close(out.token_advantages[0], [-2.0] * 6)
+    assert_close_to(out.token_advantages[0], [-2.0] * 6)
 
 
 def test_sampled_equals_full_kl_when_estimates_agree():
@@ -309,7 +309,7 @@ def test_sampled_equals_full_kl_when_estimates_agree():
     sampled[Signal.LOGPROBS] = sampled[Signal.TEACHER_LOGPROBS] + sig[Signal.TEACHER_KL]
     o_kl = credit.build("gear").assign(batch, ADV, sig)
     o_s = credit.build("gear", {"divergence": "sampled"}).assign(batch, ADV, sampled)
-    close(o_s.token_advantages, o_kl.token_advantages)
+    assert_close_to(o_s.token_advantages, o_kl.token_advantages)
 
 
 def test_zscore_onsets():
@@ -318,13 +318,13 @@ def test_zscore_onsets():
     #   z_k = 1: thr = 0.65214 → onsets {2, 6}, the quantile rule's
     a, out, _ = run(onset_rule="zscore")
     assert (a.last_segments[0] == -1).all()
-    close(out.token_advantages[0], _pad(normed([1.5, 1.5, 0.5, E13, 1.5, 1.5, 0.5, 1.5, 1.5, E13])))
+    assert_close_to(out.token_advantages[0], _pad(normed([1.5, 1.5, 0.5, E13, 1.5, 1.5, 0.5, 1.5, 1.5, E13])))
     # seq 2: μ = 0.25, σ = sqrt((5·0.0225 + 0.5625)/6) = 0.33541, thr = 0.92082 → onset {1} as before
     assert a.last_segments[2].tolist() == segs((1, 2))
     a1, out1, _ = run(onset_rule="zscore", z_k=1.0)
     a0, out0, _ = run()
     assert torch.equal(a1.last_segments, a0.last_segments)
-    close(out1.token_advantages, out0.token_advantages)
+    assert_close_to(out1.token_advantages, out0.token_advantages)
 
 
 def test_d_min_floor_and_constant_divergence():
@@ -333,10 +333,10 @@ def test_d_min_floor_and_constant_divergence():
     a = credit.build("gear")
     out = a.assign(batch, ADV, sig)
     assert (a.last_segments == -1).all()
-    close(out.token_advantages, ADV[:, None] * batch.response_mask.float())  # g ≡ 1 → w ≡ 1
+    assert_close_to(out.token_advantages, ADV[:, None] * batch.response_mask.float())  # g ≡ 1 → w ≡ 1
     sig[Signal.TEACHER_KL] = torch.zeros(5, T)  # teacher ≡ student: mean 0 → g ≡ 1
     out = a.assign(batch, ADV, sig)
-    close(out.token_advantages, ADV[:, None] * batch.response_mask.float())
+    assert_close_to(out.token_advantages, ADV[:, None] * batch.response_mask.float())
     # a large floor removes the onsets of seq 0 although they are quantile peaks
     batch, sig = make_batch()
     a = credit.build("gear", {"d_min": 1.5})
@@ -376,7 +376,7 @@ def test_teacher_entropy_source_and_needs():
     assert a.needs == {Signal.TEACHER_KL, Signal.TEACHER_ENTROPY}
     out = a.assign(batch, ADV, {Signal.TEACHER_KL: sig[Signal.TEACHER_KL], Signal.TEACHER_ENTROPY: sig[Signal.ENTROPY]})
     ref = credit.build("gear").assign(batch, ADV, sig)
-    close(out.token_advantages, ref.token_advantages)
+    assert_close_to(out.token_advantages, ref.token_advantages)
     assert GEARAssigner.needs == {Signal.TEACHER_KL, Signal.ENTROPY}
     assert credit.build("gear", {"exclude_answer_span": True}).needs == {Signal.TEACHER_KL, Signal.ENTROPY,
                                                                        Signal.REASONING_MASK}

@@ -24,7 +24,7 @@ def expect(specs, per_turn_values):
                          for s, vals in zip(specs, per_turn_values)], dtype=torch.float64)
 
 
-def close(actual, expected, atol=1e-6):
+def assert_close_to(actual, expected, atol=1e-6):
     torch.testing.assert_close(actual.double(), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
 
 
@@ -60,7 +60,7 @@ def test_hand_values_mean_norm_cross_steps():
     #   -> A^E = [2 - 6/7, -6/7, -6/7] = [8/7, -6/7, -6/7]
     ae = [8 / 7, -6 / 7, -6 / 7]
     want = expect(SPECS, [{k: ae[i] + AS.get((i, k), 0.0) for k in range(3)} for i in range(3)] + [{0: 0.0}, {0: 0.0}])
-    close(out.token_advantages, want)
+    assert_close_to(out.token_advantages, want)
     assert (out.token_advantages[~b.response_mask] == 0).all()  # env text and padding get 0
     # step groups: s0(4), s1(2), s2(1) in group 0, s0(2) in group 1 -> mean size 9/4; 1 of 9 items singleton
     assert out.metrics["step_group_size_mean"] == pytest.approx(9 / 4)
@@ -73,7 +73,7 @@ def test_hand_values_per_trajectory_episode_baseline():
     # each trajectory once: [2, 0, 0], mean 2/3 -> A^E = [4/3, -2/3, -2/3]; A^S unchanged
     ae = [4 / 3, -2 / 3, -2 / 3]
     want = expect(SPECS, [{k: ae[i] + AS.get((i, k), 0.0) for k in range(3)} for i in range(3)] + [{0: 0.0}, {0: 0.0}])
-    close(out.token_advantages, want)
+    assert_close_to(out.token_advantages, want)
 
 
 def test_hand_values_mean_std_norm():
@@ -90,7 +90,7 @@ def test_hand_values_mean_std_norm():
            (0, 1): 0.75 / s1, (1, 1): -0.75 / s1, (0, 2): 0.0}
     want = expect(SPECS, [{k: ae[i] + 2.0 * a_s.get((i, k), 0.0) for k in range(3)} for i in range(3)]
                   + [{0: 0.0}, {0: 0.0}])
-    close(out.token_advantages, want, atol=1e-5)
+    assert_close_to(out.token_advantages, want, atol=1e-5)
 
 
 def test_default_gamma_and_outcome_in_returns():
@@ -100,11 +100,11 @@ def test_default_gamma_and_outcome_in_returns():
     out = credit.build("gigpo").assign(b, torch.zeros(2), {})
     # returns: row0 [0.95, 1], row1 [0, 0] -> A^S turn 0 ±0.475, turn 1 ±0.5
     # A^E: [1,1,0,0] mean 0.5 -> ±0.5
-    close(out.token_advantages, expect(specs, [{0: 0.975, 1: 1.0}, {0: -0.975, 1: -1.0}]))
+    assert_close_to(out.token_advantages, expect(specs, [{0: 0.975, 1: 1.0}, {0: -0.975, 1: -1.0}]))
     # outcome_in_returns=False: the step returns hold turn rewards only (all 0) -> A^S = 0,
     # and A^E uses the outcome alone: [1, 0] -> ±0.5
     out = credit.build("gigpo", {"outcome_in_returns": False}).assign(b, torch.zeros(2), {})
-    close(out.token_advantages, expect(specs, [{0: 0.5, 1: 0.5}, {0: -0.5, 1: -0.5}]))
+    assert_close_to(out.token_advantages, expect(specs, [{0: 0.5, 1: 0.5}, {0: -0.5, 1: -0.5}]))
 
 
 def test_no_repeated_state_reduces_to_episode_advantage():
@@ -118,7 +118,7 @@ def test_no_repeated_state_reduces_to_episode_advantage():
     # every step group is a singleton -> A^S = 0 -> plain GRPO on the outcome (group 1 is a singleton
     # episode group: verl's raw-score rule, A^E = R = 0 here)
     grpo = credit.build("grpo").assign(b, group_advantages(b.rewards, b.group_ids), {})
-    close(out.token_advantages, grpo.token_advantages)
+    assert_close_to(out.token_advantages, grpo.token_advantages)
 
 
 def test_zero_std_episode_group_with_equal_returns_is_zero():
@@ -134,9 +134,9 @@ def test_similarity_grouping_optional():
     obs = [["the red door is open"], ["the red door is opened"]]  # difflib ratio = 2·20/42 ≈ 0.952
     b = make_batch(specs, [[0], [0]], [1.0, 0.0], obs=obs)
     exact = credit.build("gigpo").assign(b, torch.zeros(2), {})
-    close(exact.token_advantages, [[0.5], [-0.5]])  # distinct states: A^S = 0, A^E = ±0.5
+    assert_close_to(exact.token_advantages, [[0.5], [-0.5]])  # distinct states: A^S = 0, A^E = ±0.5
     sim = credit.build("gigpo", {"similarity_thresh": 0.95}).assign(b, torch.zeros(2), {})
-    close(sim.token_advantages, [[1.0], [-1.0]])  # one step group: returns [1, 0] -> A^S = ±0.5
+    assert_close_to(sim.token_advantages, [[1.0], [-1.0]])  # one step group: returns [1, 0] -> A^S = ±0.5
     with pytest.raises(ValueError, match="text observations"):
         credit.build("gigpo", {"similarity_thresh": 0.9}).assign(b.with_(meta={"anchor_obs": [[1], [2]]}),
                                                                 torch.zeros(2), {})

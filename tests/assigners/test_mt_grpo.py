@@ -28,7 +28,7 @@ def expect(specs, per_turn_values, default=0.0):
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def close(actual, expected, atol=1e-6):
+def assert_close_to(actual, expected, atol=1e-6):
     torch.testing.assert_close(actual.double(), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
 
 
@@ -47,7 +47,7 @@ def test_two_turn_source_rule_exactly():
     # A^O: R^O = [1,0,0,1], mean 0.5, Bessel var = 4*0.25/3, std = sqrt(1/3) -> ±0.5/(sqrt(1/3)+eps)
     a = 0.5 / (math.sqrt(1 / 3) + eps)
     a_o = torch.tensor([a, -a, -a, a])
-    close(a_o, group_advantages(b.rewards, b.group_ids, eps=eps))
+    assert_close_to(a_o, group_advantages(b.rewards, b.group_ids, eps=eps))
     # A^T: R^T = [1,1,0,0] has the same mean/std -> A^T = [a, a, -a, -a]
     # A^comb: R^T + R^O = [2,1,0,1], mean 1, Bessel var = (1+0+1+0)/3 = 2/3 -> row 2: -1/(sqrt(2/3)+eps)
     comb2 = -1.0 / (math.sqrt(2 / 3) + eps)
@@ -59,7 +59,7 @@ def test_two_turn_source_rule_exactly():
         {0: comb2},                  # no tool result: GRPO-MR fallback A^comb on every token
         {0: a - lam * a},            # tool result present: A^O + λA^T = a - 2a = -a
     ])
-    close(out.token_advantages, want)
+    assert_close_to(out.token_advantages, want)
     assert out.metrics["no_tool_result_frac"] == 0.25
     assert out.metrics["sign_flip_frac"] > 0  # rows 1 and 3, generation 0
 
@@ -74,10 +74,10 @@ def test_two_turn_later_turn_rewards_ignored_by_source_rule_and_generalisation_m
     src = credit.build("mt_grpo", {"k2_compat": True}).assign(b, a_o, {}).token_advantages
     for norm in ("per_turn", "zero_fill", "reward_to_go"):
         gen_ = credit.build("mt_grpo", {"norm": norm}).assign(b, a_o, {}).token_advantages
-        close(gen_, src)
+        assert_close_to(gen_, src)
     # and the source ignores rewards of later turns entirely
     b2 = make_batch(specs, [[1, 5], [1, -3], [0, 7], [0, NAN]], K2_OUTCOME)
-    close(credit.build("mt_grpo", {"k2_compat": True}).assign(b2, a_o, {}).token_advantages, src)
+    assert_close_to(credit.build("mt_grpo", {"k2_compat": True}).assign(b2, a_o, {}).token_advantages, src)
 
 
 # ------------------------------------------------------------------------ K-turn generalisation
@@ -104,7 +104,7 @@ K3_AO = torch.tensor([0.3, -0.1, -0.2])  # any outcome advantage: it is added un
 def test_three_turn_hand_values(norm, values):
     b = make_batch(K3_SPECS, K3_TURN_R, [1.0, 0.0, 0.0])
     out = credit.build("mt_grpo", {"norm": norm, "scale_by_std": False}).assign(b, K3_AO, {})
-    close(out.token_advantages, expect(K3_SPECS, values))
+    assert_close_to(out.token_advantages, expect(K3_SPECS, values))
     assert (out.token_advantages[~b.response_mask] == 0).all()  # env text and padding get nothing
 
 
@@ -115,7 +115,7 @@ def test_three_turn_std_scaled_reward_to_go_and_turn_coef():
     # turn 1: G = [1,0], mean 1/2, Bessel std sqrt(0.5) -> ±0.5/(sqrt(0.5)+1e-6) = ±0.7071063
     s1 = 0.5 / (math.sqrt(0.5) + 1e-6)
     d0 = 1 / (1 + 1e-6)
-    close(out.token_advantages, expect(K3_SPECS, [
+    assert_close_to(out.token_advantages, expect(K3_SPECS, [
         {0: 0.3 + 0.5 * d0, 1: 0.3 + 0.5 * s1, 2: 0.3}, {0: -0.1, 1: -0.1 - 0.5 * s1}, {0: -0.2 - 0.5 * d0}]))
 
 
@@ -131,10 +131,10 @@ def test_termination_bias_of_per_turn_normalisation():
     assert (biased.token_advantages == 0).all()
     # reward_to_go: turn 0 G = [3, 1], mean 2 -> [+1, -1]; turns 1-2 reached by row 0 only -> 0
     rtg = credit.build("mt_grpo", {"norm": "reward_to_go", "scale_by_std": False}).assign(b, a_o, {})
-    close(rtg.token_advantages, expect(specs, [{0: 1.0, 1: 0.0, 2: 0.0}, {0: -1.0}]))
+    assert_close_to(rtg.token_advantages, expect(specs, [{0: 1.0, 1: 0.0, 2: 0.0}, {0: -1.0}]))
     # zero_fill: turn 0 [1,1] -> 0; turn 1 [1,0] -> ±1/2; turn 2 [1,0] -> ±1/2; V0 = [1, -1], V1 = [1, ·], V2 = [1/2, ·]
     zf = credit.build("mt_grpo", {"norm": "zero_fill", "scale_by_std": False}).assign(b, a_o, {})
-    close(zf.token_advantages, expect(specs, [{0: 1.0, 1: 1.0, 2: 0.5}, {0: -1.0}]))
+    assert_close_to(zf.token_advantages, expect(specs, [{0: 1.0, 1: 1.0, 2: 0.5}, {0: -1.0}]))
 
 
 def test_zero_std_groups_and_ragged_groups():
@@ -149,7 +149,7 @@ def test_zero_std_groups_and_ragged_groups():
         assert torch.isfinite(out.token_advantages).all()
     # reward_to_go, group 9: turn 0 G = [2, 0] -> ±1; turn 1 only row 2 -> 0
     out = credit.build("mt_grpo", {"scale_by_std": False}).assign(b, a_o, {})
-    close(out.token_advantages[2:], expect(specs[2:], [{0: -0.5 + 1, 1: -0.5}, {0: 0.5 - 1}]))
+    assert_close_to(out.token_advantages[2:], expect(specs[2:], [{0: -0.5 + 1, 1: -0.5}, {0: 0.5 - 1}]))
 
 
 # ------------------------------------------------------------------------ errors and wiring
