@@ -1,0 +1,1 @@
+"""Environments in which model-written code is executed (see :mod:`gearlab.envs.sandbox`)."""
