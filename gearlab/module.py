@@ -44,8 +44,11 @@ class GRPOModule(L.LightningModule):
         self.task = task
         self.assigner = assigner
         self.ref_policy: nn.Module | None = None
+        self.ref_signals: SignalProvider | None = None
         if cfg.algorithm.kl_coef > 0:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
+                                              chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size)
         self.engine = HFRolloutEngine(tokenizer, task, batch_size=cfg.rollout.batch_size, reward_errors=cfg.trainer.reward_errors)
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                                       micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer)
@@ -102,10 +105,8 @@ class GRPOModule(L.LightningModule):
                                               options={"seed": step_seed(cfg.trainer.seed, it, rank), **self.assigner.signal_options()})
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)
-        if self.ref_policy is not None:
-            ref = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
-                                 micro_batch_size=alg.micro_batch_size)
-            rb = rb.with_(ref_logprobs=ref.compute(rb, frozenset())[0].logprobs)
+        if self.ref_signals is not None:
+            rb = rb.with_(ref_logprobs=self.ref_signals.compute(rb, frozenset())[0].logprobs)
 
         credit = self.assigner.assign(rb, seq_adv, signals)
         adv = credit.token_advantages.to(self.device).float()
