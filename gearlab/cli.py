@@ -128,11 +128,12 @@ def _train(cfg) -> int:
 
 
 def _warmstart(cfg) -> int:
-    from gearlab.train import embedded_dir, run_warmstart
+    from gearlab.train import WARMSTARTED, embedded_dir, run_warmstart
 
     out = run_warmstart(cfg)
     print(json.dumps(out, indent=2, default=str))
-    print(f"warm-started model: {embedded_dir(cfg, 'embedded:tiny-arith')}")
+    ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
+    print(f"warm-started model: {embedded_dir(cfg, ref)}")
     return 0
 
 

@@ -69,7 +69,7 @@ def find_runs(client: mlflow.MlflowClient, exp_id: str, comparison: str) -> tupl
 
 
 def compare(cfg: Config, base_overrides: list[str]) -> dict:
-    from gearlab.train import embedded_dir, preflight, run_warmstart
+    from gearlab.train import WARMSTARTED, embedded_dir, preflight, run_warmstart
 
     names = list(cfg.compare.assigners)
     for spec in cfg.assigner.plugins:
@@ -85,7 +85,7 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
         preflight(load_config([*base_overrides, f"assigner={a}"]))
     # the shared initial checkpoint: made once, then every child points at the same folder
     model_path = cfg.model.name_or_path
-    if model_path == "embedded:tiny-arith":
+    if model_path in WARMSTARTED:
         d = embedded_dir(cfg, model_path)
         if not (d / "config.json").is_file():
             print(f"[compare] warm-starting the embedded model into {d}", flush=True)

@@ -9,7 +9,7 @@ import torch
 
 from gearlab.config import Config, ConfigError
 from gearlab.metrics import pass_at_k
-from gearlab.rollout import HFRolloutEngine, SamplingParams
+from gearlab.rollout import SamplingParams, engine_from_config
 from gearlab.tasks.base import get_task
 
 
@@ -47,7 +47,7 @@ def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     comparison is evaluated on the same problems with the same random numbers.
     """
     problems = task.problems("test", cfg.eval.num_problems, cfg.trainer.seed)
-    engine = HFRolloutEngine(tok, task, batch_size=cfg.rollout.batch_size)
+    engine = engine_from_config(tok, task, cfg)
     t0 = time.time()
     greedy = engine.generate(model, problems, group_size=1, seed=cfg.trainer.seed,
                              sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
@@ -56,10 +56,14 @@ def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
                               sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.eval.temperature,
                                                       top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
     correct = (sampled.rewards >= 1 - 1e-6).float().view(-1, k).sum(-1)
+    # multi-turn tasks: how the greedy episodes used their tools and ended
+    extra = {f"greedy_{n}": v for n, v in greedy.meta.get("rollout_stats", {}).items()
+             if n in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean")}
     return {
         "problems": len(problems),
         "greedy_accuracy": float((greedy.rewards >= 1 - 1e-6).float().mean()),
         f"avg@{k}": float(correct.mean() / k),
         f"pass@{k}": float(pass_at_k(correct, k, k).mean()),
+        **extra,
         "seconds": round(time.time() - t0, 2),
     }

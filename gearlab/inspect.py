@@ -22,7 +22,7 @@ from gearlab.batch import RolloutBatch
 from gearlab.config import Config, ConfigError, conf_dir
 from gearlab.credit import Signal
 from gearlab.grpo import group_advantages
-from gearlab.rollout import HFRolloutEngine, SamplingParams
+from gearlab.rollout import HFRolloutEngine, SamplingParams, engine_from_config
 from gearlab.signals import SignalProvider
 from gearlab.tasks.base import get_task
 from gearlab.teacher import needs_teacher
@@ -84,7 +84,7 @@ def inspect(cfg: Config) -> dict[str, str]:
     model, tok, model_name = _load(cfg)
     G = cfg.rollout.group_size
     problems = task.problems("test", cfg.inspect.prompts, cfg.trainer.seed)
-    engine = HFRolloutEngine(tok, task, batch_size=cfg.rollout.batch_size)
+    engine = engine_from_config(tok, task, cfg)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     rb = engine.generate(model, problems, group_size=G, sampling=sampling, seed=cfg.trainer.seed)

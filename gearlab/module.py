@@ -24,7 +24,7 @@ from gearlab.config import Config
 from gearlab.credit import CreditAssigner
 from gearlab.logprobs import response_hidden, token_logprobs
 from gearlab.metrics import pass_at_k
-from gearlab.rollout import HFRolloutEngine, SamplingParams, step_seed
+from gearlab.rollout import SamplingParams, engine_from_config, step_seed
 from gearlab.signals import SignalProvider
 from gearlab.teacher import Teacher, needs_teacher
 from gearlab.tasks.base import Task
@@ -49,7 +49,7 @@ class GRPOModule(L.LightningModule):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
             self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
                                               chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size)
-        self.engine = HFRolloutEngine(tokenizer, task, batch_size=cfg.rollout.batch_size, reward_errors=cfg.trainer.reward_errors)
+        self.engine = engine_from_config(tokenizer, task, cfg)
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                                       micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer)
         self.teacher = Teacher(policy, assigner)
@@ -232,6 +232,7 @@ class GRPOModule(L.LightningModule):
         out["train/data_crc"] = data_crc
         out.update({(f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"): v for k, v in upd.items()})
         out.update({f"credit/{k}": v for k, v in credit_metrics.items()})
+        out.update({f"rollout/{k}": v for k, v in rb.meta.get("rollout_stats", {}).items()})  # multi-turn: tool use, ends
         out = {k: float(v) for k, v in out.items()}
         self.last_metrics = out
         # written to the logger now, synchronously, with step = iteration: a checkpoint taken at the end of

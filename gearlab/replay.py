@@ -22,7 +22,7 @@ from torch import Tensor
 from gearlab import credit
 from gearlab.batch import RolloutBatch
 from gearlab.config import Config, ConfigError
-from gearlab.rollout import HFRolloutEngine, SamplingParams
+from gearlab.rollout import SamplingParams, engine_from_config
 from gearlab.tasks.base import Problem, get_task
 
 FORMAT = "gearlab-rollouts-v1"
@@ -88,7 +88,7 @@ def replay(cfg: Config) -> dict[str, Any]:
     task = get_task(cfg.task.name, **dict(cfg.task.options))
     path = Path(cfg.replay.rollouts)
     model, tok, model_name = _load(cfg)
-    engine = HFRolloutEngine(tok, task, batch_size=cfg.rollout.batch_size)
+    engine = engine_from_config(tok, task, cfg)
     G = cfg.rollout.group_size
     if path.is_file():
         rb, problems, info = load_rollouts(path)

@@ -156,3 +156,22 @@ class HFRolloutEngine:
             group_ids=group_ids, rewards=rewards, **teacher,
             meta={"answers": [p.answer for p in expanded], "texts": list(texts), "reward_errors": self.last_reward_errors},
         )
+
+
+def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero", max_turns: int = 0,
+                max_total_tokens: int = 0) -> HFRolloutEngine:
+    """The rollout engine for ``task``: the multi-turn loop (``gearlab.envs.multiturn``) when the task
+    is multi-turn, else single-turn sampling. ``max_turns=0`` takes the task's default."""
+    if getattr(task, "multi_turn", False):
+        from gearlab.envs.multiturn import MultiTurnRolloutEngine
+
+        return MultiTurnRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors,
+                                      max_turns=max_turns or task.max_turns, max_total_tokens=max_total_tokens)
+    return HFRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors)
+
+
+def engine_from_config(tokenizer, task: Task, cfg) -> HFRolloutEngine:
+    """``make_engine`` with the ``rollout`` / ``trainer`` settings of a gearlab Config."""
+    r = cfg.rollout
+    return make_engine(tokenizer, task, batch_size=r.batch_size, reward_errors=cfg.trainer.reward_errors,
+                       max_turns=r.max_turns, max_total_tokens=r.max_total_tokens)

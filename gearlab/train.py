@@ -24,7 +24,9 @@ from gearlab.tasks.base import Task, get_task
 from gearlab.tracking import make_logger
 
 log = logging.getLogger("gearlab")
-EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-random")
+EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-tool", "embedded:tiny-random")
+# embedded models warm-started on the configured task on first use (tiny-tool: for multi-turn tool tasks)
+WARMSTARTED = ("embedded:tiny-arith", "embedded:tiny-tool")
 
 
 def run_dir(cfg: Config) -> Path:
@@ -83,7 +85,7 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
         if not (d / "config.json").is_file():
             make_tiny(d, seed=0)
         path = str(d)
-    elif ref == "embedded:tiny-arith":
+    elif ref in WARMSTARTED:
         d = embedded_dir(cfg, ref)
         if not (d / "config.json").is_file():
             log.warning("no warm-started model at %s: running `gearlab warmstart` first", d)
@@ -104,7 +106,8 @@ def run_warmstart(cfg: Config) -> dict[str, Any]:
     from gearlab.warmstart import warmstart
 
     task = get_task(cfg.task.name, **dict(cfg.task.options))
-    out = embedded_dir(cfg, "embedded:tiny-arith")
+    ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
+    out = embedded_dir(cfg, ref)
     w = cfg.warmstart
     return warmstart(out, task=task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.trainer.seed,
                      max_minutes=w.max_minutes)
@@ -153,6 +156,7 @@ class PeriodicEval(Callback):
         k = self.cfg.eval.k
         metrics = {"eval/greedy_accuracy": res["greedy_accuracy"], f"eval/avg@{k}": res[f"avg@{k}"],
                    f"eval/pass@{k}": res[f"pass@{k}"]}
+        metrics.update({f"eval/{n}": v for n, v in res.items() if n.startswith("greedy_") and n != "greedy_accuracy"})
         if trainer.is_global_zero and trainer.logger is not None:
             trainer.logger.log_metrics(metrics, step=module.iterations_done)
         module.last_eval = metrics

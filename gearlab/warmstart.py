@@ -35,12 +35,18 @@ __all__ = [
 # data
 
 
-def encode_sft_example(tokenizer, task: Task, problem: Problem, privileged: bool) -> tuple[list[int], int]:
+def encode_sft_example(tokenizer, task: Task, problem: Problem, privileged: bool) -> tuple[list[int], int | list[bool]]:
     """Token ids of (chat prompt with generation header) ⊕ (solution, eos), and the prompt length.
 
     The two parts are tokenised separately, exactly as at rollout time (the policy generates
     after the prompt ids), so the trained-on tokens are the tokens the policy will produce.
+    Multi-turn tasks: the task's demonstrated episode laid out as a rollout lays it out
+    (``gearlab.envs.multiturn.encode_demo``), and a per-token label mask instead of a prompt length.
     """
+    if getattr(task, "multi_turn", False):
+        from gearlab.envs.multiturn import encode_demo
+
+        return encode_demo(tokenizer, task, problem, task.demo_actions(problem), privileged=privileged)
     prompt_ids = tokenizer.apply_chat_template(
         task.messages(problem, privileged=privileged), add_generation_prompt=True, tokenize=False
     )
@@ -49,9 +55,10 @@ def encode_sft_example(tokenizer, task: Task, problem: Problem, privileged: bool
     return prompt_ids + target_ids, len(prompt_ids)
 
 
-def collate_sft(examples: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, Tensor]:
+def collate_sft(examples: Sequence[tuple[list[int], int | list[bool]]], pad_id: int) -> dict[str, Tensor]:
     """Right-pad a batch. Returns input_ids/attention_mask/labels, each [B, L]; labels are -100
-    on prompt and padding positions (loss on the assistant tokens only)."""
+    on prompt and padding positions (loss on the assistant tokens only). Each example is (ids,
+    prompt length) or (ids, per-token label mask) — the latter for multi-turn demonstrations."""
     L = max(len(ids) for ids, _ in examples)
     B = len(examples)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -61,7 +68,11 @@ def collate_sft(examples: Sequence[tuple[list[int], int]], pad_id: int) -> dict[
         t = torch.tensor(ids, dtype=torch.long)
         input_ids[i, : len(ids)] = t
         attention_mask[i, : len(ids)] = 1
-        labels[i, n_prompt : len(ids)] = t[n_prompt:]
+        if isinstance(n_prompt, int):
+            labels[i, n_prompt : len(ids)] = t[n_prompt:]
+        else:
+            keep = torch.tensor(n_prompt, dtype=torch.bool)
+            labels[i, : len(ids)] = torch.where(keep, t, torch.full_like(t, -100))
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -102,6 +113,10 @@ def evaluate_accuracy(
     """
     if not problems:
         return float("nan")
+    if getattr(task, "multi_turn", False):
+        return _evaluate_episodes(model, tokenizer, task, problems, privileged=privileged, greedy=greedy,
+                                  max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
+                                  seed=seed)["accuracy"]
     was_training = model.training
     model.eval()
     old_side = tokenizer.padding_side
@@ -137,6 +152,19 @@ def evaluate_accuracy(
         tokenizer.padding_side = old_side
         model.train(was_training)
     return total / len(problems)
+
+
+def _evaluate_episodes(model, tokenizer, task: Task, problems: Sequence[Problem], *, privileged: bool | str = False,
+                       greedy: bool = True, max_new_tokens: int = 48, batch_size: int = 64, temperature: float = 1.0,
+                       seed: int = 0) -> dict[str, float]:
+    """Multi-turn tasks: run the episodes with the rollout loop; accuracy (mean outcome) plus tool-use stats."""
+    from gearlab.envs.multiturn import MultiTurnRolloutEngine
+    from gearlab.rollout import SamplingParams
+
+    engine = MultiTurnRolloutEngine(tokenizer, task, batch_size=batch_size, max_turns=task.max_turns)
+    rb = engine.generate(model, problems, group_size=1, seed=seed, privileged=privileged,
+                         sampling=SamplingParams(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature))
+    return {"accuracy": float(rb.rewards.mean()), **rb.meta["rollout_stats"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +303,13 @@ def warmstart(
         t_eval = time.perf_counter()
         test = task.problems("test", n_eval, seed=seed)
         kw = dict(max_new_tokens=eval_max_new_tokens)
-        result["acc_plain_greedy"] = evaluate_accuracy(model, tokenizer, task, test, **kw)
+        if getattr(task, "multi_turn", False):  # accuracy plus how the greedy episodes used the tools
+            ep = _evaluate_episodes(model, tokenizer, task, test, **kw)
+            result["acc_plain_greedy"] = ep["accuracy"]
+            result.update({f"greedy_{k}": round(v, 4) for k, v in ep.items()
+                           if k in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean")})
+        else:
+            result["acc_plain_greedy"] = evaluate_accuracy(model, tokenizer, task, test, **kw)
         result["acc_plain_sampled"] = evaluate_accuracy(model, tokenizer, task, test, greedy=False, seed=seed, **kw)
         result["acc_privileged_greedy"] = evaluate_accuracy(model, tokenizer, task, test, privileged=True, **kw)
         result["n_eval"] = n_eval

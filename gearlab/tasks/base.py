@@ -57,6 +57,17 @@ class Task(ABC):
     multi_turn: bool = False
     #: Optional system message; None = no system turn (keeps prompts short for tiny models).
     system_prompt: str | None = None
+    #: Multi-turn tasks: the default turn limit of an episode (``rollout.max_turns=0`` uses it).
+    max_turns: int = 1
+
+    def make_env(self, problem: Problem) -> "Any":
+        """A fresh :class:`gearlab.envs.base.Environment` for one episode of `problem` (multi-turn
+        tasks only). Its ``reset()`` returns the user message ``messages(problem)`` shows."""
+        raise NotImplementedError(f"task {self.name!r} is single-turn: it has no environment")
+
+    def demo_actions(self, problem: Problem) -> list[str]:
+        """Multi-turn tasks: a correct sequence of actions for `problem` (the warm start imitates it)."""
+        raise NotImplementedError(f"task {self.name!r} has no demonstrations")
 
     @abstractmethod
     def problems(self, split: str, n: int, seed: int = 0) -> list[Problem]:
@@ -178,4 +189,4 @@ def get_task(name: str, **options: Any) -> Task:
 
 def _import_builtin_tasks() -> None:
     # Imported lazily so `base` has no dependency on concrete tasks (they import `base`).
-    from gearlab.tasks import arithmetic, jsonl  # noqa: F401
+    from gearlab.tasks import arithmetic, fncall, jsonl, tool_arith  # noqa: F401
