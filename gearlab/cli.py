@@ -28,6 +28,7 @@ HELP = textwrap.dedent("""\
       compare     paired comparison: assigners=[grpo,gear,...] seeds=[0,1,2] (one MLflow parent + a child per pair)
       report NAME rebuild a comparison's table and plot from MLflow alone (also a remote tracking server)
       replay      run one cached set of rollouts through several assigners and log how their credit differs
+      export      a training checkpoint (a file, or a sharded FSDP2 folder) -> a Hugging Face model folder
 
     overrides (any command):
       assigner=NAME            conf/assigner/NAME.yaml   (list: gearlab assigners)
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         pick = f"assigner={name}" if (conf_dir() / "assigner" / f"{name}.yaml").is_file() else f"assigner.name={name}"
         overrides = [pick, *overrides[1:]]
     commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners,
-                "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report, "replay": _replay}
+                "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report, "replay": _replay,
+                "export": _export}
     if cmd not in commands:
         print(f"gearlab: error: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
         return 2
@@ -96,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gearlab: error: {e}", file=sys.stderr)
         return 2
+
+
+def _export(cfg) -> int:
+    from gearlab.export import export
+
+    print(f"exported: {export(cfg)}")
+    return 0
 
 
 def _quiet() -> None:
@@ -122,6 +131,8 @@ def _train(cfg) -> int:
 
     res = train(cfg)
     m = res.metrics
+    if not res.mlflow_run_id:  # not global rank 0 of a multi-process run: rank 0 reports
+        return 0
     print(f"run: {res.run_dir}  mlflow run {res.mlflow_run_id} at {res.tracking_uri}")
     print("last iteration: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(m.items()) if k.startswith("train/")))
     return 0

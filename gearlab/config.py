@@ -103,7 +103,12 @@ class TrainerConfig:
     max_steps: int = 80  # RL iterations (rollout + updates)
     seed: int = 0
     accelerator: str = "auto"
-    devices: int = 1
+    devices: int = 1  # per node
+    num_nodes: int = 1
+    # auto = fsdp2 when more than one process in all, else a single device | ddp | fsdp2 | fsdp1 (GPU only)
+    strategy: str = "auto"
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (HF gradient checkpointing)
+    cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state live on CPU (FSDP2 CPUOffloadPolicy)
     precision: str = "32-true"
     output_dir: str = "runs"
     run_name: str | None = None  # default: <task>-<assigner>-s<seed>
@@ -112,6 +117,9 @@ class TrainerConfig:
     max_nonfinite: int = 3  # consecutive non-finite losses before the run stops (after a checkpoint)
     reward_errors: str = "zero"  # zero (score 0 and count) | raise
     log_every: int = 1
+    # stop cleanly after this many iterations in this process, with a checkpoint (time-limited cluster jobs:
+    # the same command resumes); 0 = run to max_steps
+    stop_after: int = 0
     eval_every: int = 0  # held-out evaluation every N iterations (0 = only before the first and after the last)
     progress_bar: bool = True
 
@@ -130,6 +138,12 @@ class WarmstartConfig:
     batch_size: int = 32
     lr: float = 3e-3
     max_minutes: float | None = None
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: str | None = None  # a Lightning checkpoint: a file, or a sharded (FSDP2) checkpoint directory
+    out: str | None = None  # the Hugging Face folder to write
 
 
 @dataclass
@@ -181,6 +195,7 @@ class Config:
     inspect: InspectConfig = field(default_factory=InspectConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def conf_dir() -> Path:
@@ -251,10 +266,12 @@ _CHOICES = {
     "trainer.reward_errors": ("zero", "raise"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "rollout.engine": ("hf",),
+    "trainer.strategy": ("auto", "ddp", "fsdp2", "fsdp1"),
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "rollout.batch_size",
              "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.micro_batch_size",
-             "signals.chunk_size", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_nonfinite")
+             "signals.chunk_size", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_nonfinite",
+             "trainer.devices", "trainer.num_nodes")
 
 
 def validate(cfg: Config) -> None:

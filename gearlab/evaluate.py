@@ -17,16 +17,16 @@ def _load(cfg: Config):
     from gearlab.train import load_policy
 
     ckpt = cfg.eval.checkpoint
-    if ckpt is None or Path(ckpt).is_dir():
+    if ckpt is None or (Path(ckpt) / "config.json").is_file():  # an HF folder (a sharded checkpoint is a folder too)
         if ckpt is not None:
             cfg.model.name_or_path = ckpt
         return load_policy(cfg)
-    if not Path(ckpt).is_file():
+    if not Path(ckpt).exists():
         raise ConfigError(f"key 'eval.checkpoint': not found: {ckpt}")
+    from gearlab.export import policy_state_from_checkpoint
+
     model, tok, name = load_policy(cfg)  # the architecture; weights come from the checkpoint
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
-    policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
-    model.load_state_dict(policy_state)
+    model.load_state_dict(policy_state_from_checkpoint(ckpt), strict=False)
     return model, tok, f"{name}@{ckpt}"
 
 

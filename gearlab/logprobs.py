@@ -26,10 +26,19 @@ def response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     input_ids / attention_mask: [B, P+T] (prompt left-padded to P, response right-padded to T).
     Returns [B, T, H]: hidden state at position P-1+t predicts response token t.
     """
+    # Through the model's OWN forward (not its base model's), so a sharded root (FSDP2) gathers its
+    # parameters — embeddings, final norm, head — as it does for any forward, and keeps them gathered
+    # for the chunked head below. ``logits_to_keep=1``: the full-vocabulary head runs on one position.
     base = getattr(model, model.base_model_prefix)
-    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    captured: list[Tensor] = []
+    handle = base.register_forward_hook(lambda m, args, out: captured.append(
+        out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+              use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[-1][:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
 def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:

@@ -40,6 +40,8 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.cfg = cfg
         self.policy = policy.train()  # from_pretrained returns eval mode
+        if cfg.trainer.activation_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = tokenizer
         self.task = task
         self.assigner = assigner
@@ -61,6 +63,20 @@ class GRPOModule(L.LightningModule):
         self.m_reward, self.m_acc, self.m_pass = MeanMetric(), MeanMetric(), MeanMetric()
 
     # -- Lightning plumbing -------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """FSDP2 (``ModelParallelStrategy``): shard the policy and any frozen copy (reference, teacher)
+        over the data-parallel mesh. Called by Lightning once per process, before the optimizers."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None or getattr(self, "_sharded", False):
+            return
+        from gearlab.distributed import shard_fsdp2
+
+        bf16 = self.device.type == "cuda" and self.cfg.model.dtype != "float32"
+        models = [m for m in (self.policy, self.ref_policy, self.teacher.copy) if m is not None]
+        shard_fsdp2(models, mesh["data_parallel"], bf16=bf16, cpu_offload=self.cfg.trainer.cpu_offload)
+        self._sharded = True
+        self.engine.synced_gpus = mesh["data_parallel"].size() > 1  # every rank steps generate() together
+
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # prompts are Python objects; tensors are made on the right device later
 
@@ -119,6 +135,10 @@ class GRPOModule(L.LightningModule):
         t3 = time.perf_counter()
         upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
         self.iterations_done = it + 1
+        self.session_iterations = getattr(self, "session_iterations", 0) + 1
+        if 0 < cfg.trainer.stop_after <= self.session_iterations and self.iterations_done < cfg.trainer.max_steps:
+            self.stopped_early = True
+            self.trainer.should_stop = True  # after this iteration's checkpoint (IterationCheckpoint saves it)
         self.assigner.on_step_end(self.iterations_done)
         self.teacher.after_iteration(self.iterations_done)
         upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)

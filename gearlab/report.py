@@ -21,6 +21,9 @@ from gearlab.metrics import sanitize_metric_key
 
 CURVE = "train/accuracy"
 SMOOTH = 5
+# multi-turn tasks: how the final greedy episodes used their tools (a second table when runs logged them)
+TOOL_METRICS = {"eval/greedy_tool_call_frac": "called a tool", "eval/greedy_correct_call_frac": "correct calls",
+                "eval/greedy_finish_frac": "finished", "eval/greedy_turns_mean": "turns"}
 
 
 @dataclass
@@ -96,12 +99,17 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
     curves: dict[str, dict[int, list[float]]] = {a: {} for a in order}
     cost: dict[str, list[dict[str, float]]] = {a: [] for a in order}
     reach: dict[str, list[dict[str, float] | None]] = {a: [] for a in order}
+    tool_final: dict[str, dict[str, list[float]]] = {}
     for (a, s), r in finished.items():
         if a not in final:
             continue
         hist = _history(client, r.info.run_id, key)
         if hist:
             final[a][s] = hist[-1][1]
+        for k in TOOL_METRICS:
+            h = _history(client, r.info.run_id, k)
+            if h:
+                tool_final.setdefault(a, {}).setdefault(k, []).append(h[-1][1])
         acc = _history(client, r.info.run_id, CURVE)
         curves[a][s] = [v for _, v, _ in acc]
         it_time = [sum(v) for v in zip(*[[x for _, x, _ in _history(client, r.info.run_id, f"time/{p}")]
@@ -137,6 +145,10 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = _table(rows, metric, baseline, target, pct=metric.endswith("accuracy") or "@" in metric)
+    if tool_final:
+        for row in rows:
+            row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tool_final.get(row["assigner"], {}).items()}
+        table += "\n\n" + _tool_table(rows)
     plot = out / "curves.png"
     _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric, baseline=baseline)
     md = out / "report.md"
@@ -170,6 +182,18 @@ def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float
             line += [r["reached"]] + [f"{r[f'to_target_{k}']:.{1 if k == 'wall_s' else 0}f}"
                                       if r[f"to_target_{k}"] == r[f"to_target_{k}"] else "–" for k in ("steps", "wall_s", "tokens")]
         lines.append(line)
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    fmt = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])])
+
+
+def _tool_table(rows: list[dict[str, Any]]) -> str:
+    """Final greedy tool use per method (mean ± 95% t over seeds): fractions in %, turns as a count."""
+    head = ["method"] + [f"{name} (final greedy)" for name in TOOL_METRICS.values()]
+    lines = [head]
+    for r in rows:
+        tu = r.get("tool_use", {})
+        lines.append([r["assigner"]] + [_fmt(*tu[k], pct=k.endswith("frac")) if k in tu else "–" for k in TOOL_METRICS])
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     fmt = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
     return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])])

@@ -61,6 +61,9 @@ class HFRolloutEngine:
         self.batch_size = batch_size
         self.reward_errors = reward_errors
         self.last_reward_errors = 0
+        # sharded (FSDP) policies: every rank must run the same number of forward passes, so generate()
+        # keeps stepping until all ranks are done (HF ``synced_gpus``)
+        self.synced_gpus = False
 
     def encode_prompts(self, problems: Sequence[Problem], *, privileged: bool | str = False) -> tuple[Tensor, Tensor]:
         """Chat-formatted, left-padded prompt ids and mask [N, P]."""
@@ -103,6 +106,8 @@ class HFRolloutEngine:
                     mask = prompt_mask[s : s + self.batch_size].to(device)
                     kw = dict(do_sample=False) if sampling.greedy else dict(
                         do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+                    if self.synced_gpus:
+                        kw["synced_gpus"] = True
                     gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                                          eos_token_id=stop, pad_token_id=self.tok.pad_token_id, **kw)
                     outs.append(gen[:, ids.shape[1]:].cpu())

@@ -43,14 +43,21 @@ class GearlabMLFlowLogger(MLFlowLogger):
         return None
 
 
-def make_logger(cfg: Config, run_dir: Path, *, model_name: str) -> GearlabMLFlowLogger:
-    """Create (or, when ``run_dir/mlflow_run_id`` exists, reopen) the MLflow run of this training run."""
+def make_logger(cfg: Config, run_dir: Path, *, model_name: str) -> GearlabMLFlowLogger | None:
+    """Create (or, when ``run_dir/mlflow_run_id`` exists, reopen) the MLflow run of this training run.
+    None on every process but global rank 0."""
     id_file = run_dir / "mlflow_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else None
     tags = {"assigner": cfg.assigner.name, "seed": str(cfg.trainer.seed), "task": cfg.task.name,
             "model": model_name, "git_sha": git_sha(), **dict(cfg.logging.tags)}
     if cfg.logging.parent_run_id:
         tags["mlflow.parentRunId"] = cfg.logging.parent_run_id
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        # launched by torchrun / srun, every rank runs this: only global rank 0 opens the store (two
+        # processes creating one SQLite schema at once collide) and logs
+        return None
     logger = GearlabMLFlowLogger(experiment_name=cfg.logging.experiment, run_name=run_dir.name,
                                  tracking_uri=tracking_uri(cfg), tags=tags, run_id=run_id)
     # Lightning calls mlflow.set_tracking_uri, which also exports MLFLOW_TRACKING_URI: undo that so a

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 
-from gearlab import credit
+from gearlab import credit, distributed
 from gearlab.config import Config, ConfigError, to_yaml
 from gearlab.data import PromptDataModule
 from gearlab.module import GRPOModule, NonFiniteLossError
@@ -125,16 +126,29 @@ class IterationCheckpoint(Callback):
         return self.dir / "last.ckpt"
 
     def save(self, trainer: L.Trainer, name: str = "last.ckpt") -> None:
+        """Write to a temporary name, then swap it in: a crash mid-write never leaves a broken last.ckpt.
+        Sharded (FSDP2) checkpoints are directories of per-rank files; the swap renames the directory."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{name}.tmp"
+        tmp, final = self.dir / f".{name}.tmp", self.dir / name
+        if trainer.is_global_zero and tmp.is_dir():
+            shutil.rmtree(tmp)  # a leftover of a crash mid-write
+        trainer.strategy.barrier("gearlab-ckpt-pre")
         trainer.save_checkpoint(tmp)
         if trainer.is_global_zero:
-            os.replace(tmp, self.dir / name)
+            if tmp.is_dir():
+                old = self.dir / f".{name}.old"
+                if final.exists():
+                    os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
             (self.dir / "config.yaml").write_text(self.cfg_yaml)
+        trainer.strategy.barrier("gearlab-ckpt-post")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         it = pl_module.iterations_done
-        if it % self.every == 0 or it == self.total:
+        if it % self.every == 0 or it == self.total or getattr(pl_module, "stopped_early", False):
             self.save(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -181,11 +195,15 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     task, assigner = preflight(cfg)
+    distributed.check(cfg)
+    if distributed.strategy_name(cfg) != "single" and getattr(task, "multi_turn", False):
+        raise ConfigError("key 'trainer.strategy': multi-turn tasks run on one process for now (the turn loop does "
+                          "not yet keep sharded ranks in step); use trainer.devices=1")
     rdir = run_dir(cfg)
     ckpt_dir = rdir / "checkpoints"
     resume: str | None = None
     if cfg.trainer.resume == "auto":
-        resume = str(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").is_file() else None
+        resume = str(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").exists() else None
     elif cfg.trainer.resume != "never":
         if not Path(cfg.trainer.resume).exists():
             raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
@@ -205,17 +223,35 @@ def train(cfg: Config) -> TrainResult:
     if cfg.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     trainer = L.Trainer(
-        accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, precision=cfg.trainer.precision,
-        max_epochs=1, max_steps=-1, logger=logger, callbacks=callbacks, log_every_n_steps=cfg.trainer.log_every,
+        accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+        strategy=distributed.make_strategy(cfg), precision=cfg.trainer.precision,
+        max_epochs=1, max_steps=-1, logger=logger if logger is not None else False, callbacks=callbacks, log_every_n_steps=cfg.trainer.log_every,
         enable_checkpointing=False, enable_progress_bar=cfg.trainer.progress_bar, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(rdir),
     )
     if resume:
         log.warning("resuming from %s", resume)
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    if getattr(module, "stopped_early", False):
+        log.warning("stopped after %d iterations (trainer.stop_after); run the same command to resume", module.iterations_done)
+        if logger is not None:  # not FINISHED: a comparison must resume it, not skip it
+            import mlflow
+
+            mlflow.MlflowClient(logger._tracking_uri).set_terminated(logger.run_id, "KILLED")
+        metrics = dict(getattr(module, "last_metrics", {}))
+        return _result(rdir, logger, metrics)
+    state = distributed.full_state_dict(module.policy)  # collective: every rank takes part
+    if getattr(module.policy.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # saved once, as the embedding (what save_pretrained does by itself)
     if trainer.is_global_zero:
-        module.policy.save_pretrained(rdir / "final")
+        module.policy.save_pretrained(rdir / "final", state_dict=state)
         tok.save_pretrained(rdir / "final")
     metrics = dict(getattr(module, "last_metrics", {}), **getattr(module, "last_eval", {}))
-    (rdir / "summary.json").write_text(json.dumps({"mlflow_run_id": logger.run_id, "metrics": metrics}, indent=2))
-    return TrainResult(rdir, logger.run_id, logger._tracking_uri, metrics)
+    if trainer.is_global_zero:
+        (rdir / "summary.json").write_text(json.dumps({"mlflow_run_id": logger.run_id if logger else None,
+                                                       "metrics": metrics}, indent=2))
+    return _result(rdir, logger, metrics)
+
+
+def _result(rdir: Path, logger: Any, metrics: dict[str, float]) -> TrainResult:
+    return TrainResult(rdir, logger.run_id if logger else "", logger._tracking_uri if logger else "", metrics)

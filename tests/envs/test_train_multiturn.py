@@ -46,3 +46,50 @@ def test_function_calling_trains(tmp_path, tiny_model_dir):
                        "rollout.max_new_tokens=8", "trainer.progress_bar=false", "eval.num_problems=2"])
     res = train(cfg)
     assert mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).info.status == "FINISHED"
+
+
+def test_inspect_shows_turns(tmp_path, tool_model_dir):
+    """`gearlab inspect` on the tool task: every assigner incl. the turn methods, turn ids, per-turn
+    rewards and end reasons in the JSON, turn markers in the HTML."""
+    import json
+
+    from gearlab import credit
+    from gearlab.inspect import inspect
+
+    cfg = load_config(["task=tool_arith", f"model.name_or_path={tool_model_dir}", f"trainer.output_dir={tmp_path}",
+                       f"inspect.out_dir={tmp_path / 'insp'}", "inspect.prompts=2", "rollout.group_size=2",
+                       "rollout.max_new_tokens=32", "inspect.assigners=[grpo,mt_grpo,gigpo,gear]"])
+    inspect(cfg)
+    rec = json.loads((tmp_path / "insp" / "credit.json").read_text())
+    assert rec["assigners"] == ["grpo", "mt_grpo", "gigpo", "gear"]
+    multi = [s for s in rec["samples"] if len(s["turn_rewards"]) > 1]
+    assert multi, "the warm-started model should make at least one call"
+    s = multi[0]
+    assert s["end_reason"] in ("done", "max_turns", "token_budget", "turn_length", "env_error")
+    assert sorted(set(s["turn_ids"])) == list(range(len(s["turn_rewards"])))
+    assert 0 in s["response_mask"]  # the tool's answer is in the sequence, not generated
+    for name in ("mt_grpo", "gigpo", "gear"):
+        assert all(v == 0 for v, m in zip(s["credit"][name], s["response_mask"]) if not m)
+    html = (tmp_path / "insp" / "credit.html").read_text()
+    assert "┃1" in html and "turn rewards" in html
+    assert credit.get("mt_grpo").requires_turns
+
+
+def test_paired_comparison_on_the_tool_task(tmp_path, tool_model_dir, capsys):
+    """`gearlab compare` on the multi-turn task: the paired design holds (same prompts and first rollouts
+    across methods) and the report adds the tool-use table."""
+    from gearlab.compare import compare
+
+    base = ["task=tool_arith", f"model.name_or_path={tool_model_dir}", f"trainer.output_dir={tmp_path}",
+            "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=32",
+            "eval.num_problems=4", "eval.k=2", "trainer.progress_bar=false"]
+    cfg = load_config([*base, "compare.name=tools", "compare.assigners=[grpo,mt_grpo,gigpo]", "compare.seeds=[0]"])
+    out = compare(cfg, base)
+    assert out["failed"] == []
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("compare/tools")
+    kids = {r.data.tags["assigner"]: r for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags}
+    first = {a: client.get_metric_history(r.info.run_id, "rollout/tool_call_frac") for a, r in kids.items()}
+    assert len({sorted(h, key=lambda m: m.step)[0].value for h in first.values()}) == 1  # same first rollouts
+    printed = capsys.readouterr().out
+    assert "called a tool (final greedy)" in printed and "| mt_grpo" in printed
