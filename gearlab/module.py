@@ -22,6 +22,7 @@ from gearlab import grpo
 from gearlab.batch import RolloutBatch
 from gearlab.config import Config
 from gearlab.credit import CreditAssigner
+from gearlab.distributed import gathered_for_generation
 from gearlab.logprobs import response_hidden, token_logprobs
 from gearlab.metrics import pass_at_k
 from gearlab.rollout import SamplingParams, engine_from_config, step_seed
@@ -71,7 +72,8 @@ class GRPOModule(L.LightningModule):
             return
         from gearlab.distributed import shard_fsdp2
 
-        bf16 = self.device.type == "cuda" and self.cfg.model.dtype != "float32"
+        # trainer.precision=bf16-mixed: bf16 compute, fp32 gradient reduction, master weights in the loaded dtype
+        bf16 = self.cfg.trainer.precision.startswith("bf16") and self.device.type == "cuda"
         models = [m for m in (self.policy, self.ref_policy, self.teacher.copy) if m is not None]
         shard_fsdp2(models, mesh["data_parallel"], bf16=bf16, cpu_offload=self.cfg.trainer.cpu_offload)
         self._sharded = True
@@ -107,10 +109,11 @@ class GRPOModule(L.LightningModule):
         G = cfg.rollout.group_size
         rank = self.trainer.global_rank if self._trainer is not None else 0
         t0 = time.perf_counter()
-        rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
-                                  seed=step_seed(cfg.trainer.seed, it, rank),
-                                  with_teacher=self.assigner.teacher_context if needs_teacher(self.assigner) else False,
-                                  group_offset=rank * len(batch["problems"]))
+        with gathered_for_generation(self.policy):  # sharded: gather the weights once, not once per token
+            rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
+                                      seed=step_seed(cfg.trainer.seed, it, rank),
+                                      with_teacher=self.assigner.teacher_context if needs_teacher(self.assigner) else False,
+                                      group_offset=rank * len(batch["problems"]))
         rb = _to_device(rb, self.device)
         seq_adv = grpo.group_advantages(rb.rewards, rb.group_ids, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
                                         leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)

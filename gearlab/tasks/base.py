@@ -189,4 +189,4 @@ def get_task(name: str, **options: Any) -> Task:
 
 def _import_builtin_tasks() -> None:
     # Imported lazily so `base` has no dependency on concrete tasks (they import `base`).
-    from gearlab.tasks import arithmetic, fncall, jsonl, tool_arith  # noqa: F401
+    from gearlab.tasks import arithmetic, fncall, jsonl, math, tool_arith  # noqa: F401

@@ -1,7 +1,7 @@
 """One GRPO optimizer step on a FIXED global batch under a Lightning strategy; rank 0 saves the
 global loss and the full (unsharded) gradients. Run as a script (Lightning re-launches it per rank):
 
-    python tests/distributed/parity_script.py OUT.pt DEVICES STRATEGY AGG MICRO_BATCH
+    python tests/distributed/parity_script.py OUT.pt DEVICES STRATEGY AGG MICRO_BATCH [ACCELERATOR]
 
 tests/distributed/test_parity.py compares 1 process with 2 (ddp, fsdp2): equal within float tolerance.
 """
@@ -43,6 +43,8 @@ def global_batch() -> tuple[RolloutBatch, torch.Tensor]:
 class ParityModule(GRPOModule):
     def training_step(self, batch, batch_idx):
         rb, adv = global_batch()
+        rb = rb.with_(**{k: v.to(self.device) for k, v in vars(rb).items() if isinstance(v, torch.Tensor)})
+        adv = adv.to(self.device)
         w, r = self.trainer.world_size, self.trainer.global_rank
         idx = torch.arange(r * B // w, (r + 1) * B // w)
         self.losses = []
@@ -56,8 +58,15 @@ class ParityModule(GRPOModule):
     def on_before_optimizer_step(self, optimizer):
         from torch.distributed.tensor import DTensor
 
-        grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                 for n, p in self.policy.named_parameters()}
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+        wrapped = self.trainer.strategy.model
+        if isinstance(wrapped, FSDP1):  # FSDP1 (GPU only): gather the flat-parameter shards with their grads
+            with FSDP1.summon_full_params(wrapped, with_grads=True):
+                grads = {n: p.grad.detach().float().cpu() for n, p in self.policy.named_parameters()}
+        else:
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().cpu()
+                     for n, p in self.policy.named_parameters()}
         # each rank's loss carries a factor dp_size (gradients are AVERAGED over ranks): the objective is the mean
         loss = self._global_sum(torch.stack(self.losses).sum()) / self.trainer.world_size
         if self.trainer.is_global_zero:
@@ -66,7 +75,8 @@ class ParityModule(GRPOModule):
 
 def main() -> None:
     _, devices, strategy, agg, mbs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-    cfg = load_config([f"trainer.devices={devices}", f"trainer.strategy={strategy}", "trainer.accelerator=cpu",
+    accel = sys.argv[6] if len(sys.argv) > 6 else "cpu"  # "gpu": NCCL on CUDA devices (fp32, so 1e-4 tolerances hold)
+    cfg = load_config([f"trainer.devices={devices}", f"trainer.strategy={strategy}", f"trainer.accelerator={accel}",
                        f"algorithm.agg={agg}", f"algorithm.micro_batch_size={mbs}", "algorithm.entropy_coef=0.01",
                        "rollout.prompts_per_step=2", "rollout.group_size=4", "algorithm.clip_high=0.28"])
     tok = build_tokenizer()
@@ -74,7 +84,7 @@ def main() -> None:
     model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                              intermediate_size=128, seed=0)
     module = ParityModule(cfg, model, tok, get_task("arith"), build("grpo"))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=distributed.make_strategy(cfg), max_steps=1,
+    trainer = L.Trainer(accelerator=accel, devices=devices, strategy=distributed.make_strategy(cfg), max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, train_dataloaders=[{"iteration": 0}])
 
