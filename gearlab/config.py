@@ -73,6 +73,8 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
+    packed: bool = False  # padding-free forwards: a micro-batch's sequences concatenated, block-diagonal attention
+    micro_batch_tokens: int = 0  # > 0: dynamic micro-batches of at most this many real tokens (and micro_batch_size rows)
 
 
 @dataclass

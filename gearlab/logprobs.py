@@ -20,25 +20,58 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return pos.clamp_(min=0)
 
 
-def response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, response_len: int) -> Tensor:
+def response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, response_len: int,
+                    *, packed: bool = False) -> Tensor:
     """Last hidden states at the positions that PREDICT the response tokens.
 
     input_ids / attention_mask: [B, P+T] (prompt left-padded to P, response right-padded to T).
-    Returns [B, T, H]: hidden state at position P-1+t predicts response token t.
+    Returns [B, T, H]: hidden state at position P-1+t predicts response token t (0 where t is padding).
+
+    packed=True: no compute on padding. The real tokens of all rows are concatenated into ONE sequence
+    [1, N] (N = Σ real lengths) with per-row position ids and a block-diagonal causal mask, so no token
+    attends across rows; the result equals the padded path's (tested). The [1, 1, N, N] boolean mask costs
+    N² bytes: meant for micro-batches of a few thousand tokens (a varlen attention kernel would remove it).
     """
+    if packed:
+        return _packed_response_hidden(model, input_ids, attention_mask, prompt_len, response_len)
+    out = _last_hidden(model, input_ids, attention_mask, position_ids_from_mask(attention_mask))
+    return out[:, prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def _last_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
     # Through the model's OWN forward (not its base model's), so a sharded root (FSDP2) gathers its
     # parameters — embeddings, final norm, head — as it does for any forward, and keeps them gathered
-    # for the chunked head below. ``logits_to_keep=1``: the full-vocabulary head runs on one position.
+    # for the chunked head. ``logits_to_keep=1``: the full-vocabulary head runs on one position.
     base = getattr(model, model.base_model_prefix)
     captured: list[Tensor] = []
     handle = base.register_forward_hook(lambda m, args, out: captured.append(
         out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-              use_cache=False, logits_to_keep=1)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+              logits_to_keep=1)
     finally:
         handle.remove()
-    return captured[-1][:, prompt_len - 1 : prompt_len - 1 + response_len]
+    return captured[-1]
+
+
+def _packed_response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
+                            response_len: int) -> Tensor:
+    real = attention_mask.bool()
+    lens = real.sum(1)  # [B]
+    B, dev = input_ids.shape[0], input_ids.device
+    ids = input_ids[real][None]  # [1, N]: row 0's prompt+response, then row 1's, ...
+    pos = position_ids_from_mask(attention_mask)[real][None]  # the padded path's positions, 0.. per row
+    seg = torch.repeat_interleave(torch.arange(B, device=dev), lens)
+    N = ids.shape[1]
+    block = torch.ones(N, N, dtype=torch.bool, device=dev).tril_() & (seg[:, None] == seg[None, :])
+    hidden = _last_hidden(model, ids, block[None, None], pos)[0]  # [N, H]
+    start = lens.cumsum(0) - lens
+    n_prompt = real[:, :prompt_len].sum(1)
+    n_resp = real[:, prompt_len:].sum(1)
+    t = torch.arange(response_len, device=dev)
+    valid = t[None] < n_resp[:, None]  # [B, T]
+    idx = torch.where(valid, start[:, None] + n_prompt[:, None] - 1 + t[None], torch.zeros_like(valid, dtype=torch.long))
+    return hidden[idx] * valid[..., None].to(hidden.dtype)
 
 
 def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:

@@ -51,10 +51,12 @@ class GRPOModule(L.LightningModule):
         if cfg.algorithm.kl_coef > 0:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
             self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
-                                              chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size)
+                                              chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size,
+                                              packed=cfg.algorithm.packed)
         self.engine = engine_from_config(tokenizer, task, cfg)
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
-                                      micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer)
+                                      micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer,
+                                      packed=cfg.algorithm.packed)
         self.teacher = Teacher(policy, assigner)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
@@ -166,9 +168,17 @@ class GRPOModule(L.LightningModule):
                           for name, m in (("pg", loss_mask), ("full", rb.response_mask))}
                 opt.zero_grad(set_to_none=True)
                 finite = torch.ones((), device=self.device)
-                for s in range(0, idx.numel(), alg.micro_batch_size):
-                    mi = idx[s : s + alg.micro_batch_size]
-                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], loss_mask[mi], counts)
+                chunks = micro_batches(idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens)
+                # sharded ranks must run the same number of forward/backward passes: pad with empty ones
+                n_max = int(self._global_max(len(chunks)))
+                for j in range(n_max):
+                    empty = j >= len(chunks)
+                    mi = idx[:1] if empty else chunks[j]
+                    mask_j = torch.zeros_like(loss_mask[mi]) if empty else loss_mask[mi]
+                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], mask_j, counts)
+                    if empty:
+                        loss = loss * 0.0  # takes part in the collectives, contributes nothing
+                        metrics = {}
                     if not torch.isfinite(loss):
                         finite.zero_()
                         break
@@ -194,7 +204,8 @@ class GRPOModule(L.LightningModule):
         dp = self.trainer.world_size if self._trainer is not None else 1
         pg_counts = dict(global_tokens=counts["pg"][0], global_seqs=counts["pg"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
         full_counts = dict(global_tokens=counts["full"][0], global_seqs=counts["full"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
-        hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len)
+        hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len,
+                                 packed=alg.packed)
         logp, ent = token_logprobs(hidden, self.policy.get_output_embeddings(), mb.response_ids,
                                    temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
                                    with_entropy=alg.entropy_coef > 0)
@@ -211,6 +222,12 @@ class GRPOModule(L.LightningModule):
             loss = loss - alg.entropy_coef * eb
             metrics["entropy_bonus"] = eb.detach()
         return loss, metrics
+
+    def _global_max(self, x: Tensor | float) -> Tensor:
+        t = torch.as_tensor(x, dtype=torch.float32, device=self.device)
+        if self._trainer is None or self.trainer.world_size == 1:
+            return t
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="max")
 
     def _global_sum(self, x: Tensor | float) -> Tensor:
         t = torch.as_tensor(x, dtype=torch.float32, device=self.device)
@@ -262,6 +279,28 @@ class GRPOModule(L.LightningModule):
         # this iteration can then never be ahead of the metrics on record (a kill right after it loses none)
         if self._trainer is not None and self.trainer.is_global_zero and self.trainer.logger is not None:
             self.trainer.logger.log_metrics(out, step=self.iterations_done - 1)
+
+
+def micro_batches(idx: Tensor, lengths: Tensor, max_seqs: int, max_tokens: int = 0) -> list[Tensor]:
+    """Split the row indices ``idx`` [n] of an optimizer step into micro-batches, in order.
+
+    max_tokens = 0: fixed ``max_seqs`` rows each. max_tokens > 0 (dynamic batch size): as many rows as fit
+    in ``max_tokens`` real tokens (``lengths`` [n], prompt + response, padding excluded) and at most
+    ``max_seqs``; a row longer than the budget goes alone. The loss is normalised by global counts, so
+    the split changes memory and speed, never the gradient.
+    """
+    if max_tokens <= 0:
+        return [idx[s : s + max_seqs] for s in range(0, idx.numel(), max_seqs)]
+    out, cur, used = [], [], 0
+    for i, n in zip(idx.tolist(), lengths.tolist()):
+        if cur and (used + n > max_tokens or len(cur) >= max_seqs):
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        out.append(cur)
+    return [torch.tensor(c, dtype=torch.long, device=idx.device) for c in out]
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:

@@ -75,8 +75,9 @@ class SignalProvider:
     """
 
     def __init__(self, model: nn.Module, *, temperature: float, chunk_size: int = 256, micro_batch_size: int = 16,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, packed: bool = False) -> None:
         self.model = model
+        self.packed = packed  # padding-free forwards (gearlab.logprobs.response_hidden)
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.micro_batch_size = micro_batch_size
@@ -84,12 +85,13 @@ class SignalProvider:
 
     def _hidden(self, model: nn.Module, b: RolloutBatch, teacher: bool) -> Tensor:
         if not teacher:
-            return response_hidden(model, b.input_ids(), b.full_attention_mask(), b.prompt_ids.shape[1], b.response_len)
+            return response_hidden(model, b.input_ids(), b.full_attention_mask(), b.prompt_ids.shape[1], b.response_len,
+                                   packed=self.packed)
         if b.teacher_prompt_ids is None:
             raise ValueError("a teacher signal was requested but the batch has no teacher_prompt_ids (privileged prompt)")
         ids = torch.cat([b.teacher_prompt_ids, b.response_ids], dim=1)
         mask = torch.cat([b.teacher_prompt_mask.bool(), b.attention_mask], dim=1).long()
-        return response_hidden(model, ids, mask, b.teacher_prompt_ids.shape[1], b.response_len)
+        return response_hidden(model, ids, mask, b.teacher_prompt_ids.shape[1], b.response_len, packed=self.packed)
 
     def _micro(self, batch: RolloutBatch):
         for s in range(0, batch.batch_size, self.micro_batch_size):

@@ -395,3 +395,14 @@ def test_two_process_ddp_matches_full_batch(tmp_path):
         for p, g in zip(model.parameters(), grads[agg]):
             assert p.grad.abs().max() > 1e-3
             assert_close_to(g, p.grad, atol=1e-10)
+
+
+def test_micro_batches_by_token_budget():
+    from gearlab.module import micro_batches
+
+    idx = torch.tensor([5, 2, 7, 1, 0])
+    lengths = torch.tensor([12, 7, 10, 25, 4])
+    assert [c.tolist() for c in micro_batches(idx, lengths, 2)] == [[5, 2], [7, 1], [0]]
+    # ≤ 20 real tokens and ≤ 2 rows per micro-batch; a 25-token row goes alone; order kept
+    assert [c.tolist() for c in micro_batches(idx, lengths, 2, 20)] == [[5, 2], [7], [1], [0]]
+    assert [c.tolist() for c in micro_batches(idx, lengths, 1, 100)] == [[5], [2], [7], [1], [0]]

@@ -59,3 +59,48 @@ def test_response_positions_match_full_forward_with_left_padding(tiny_model_fact
         ref = torch.log_softmax(logits.float(), -1).gather(-1, resp[0][:, None]).squeeze(-1)
     torch.testing.assert_close(lp[0], ref, rtol=1e-4, atol=1e-5)
     assert position_ids_from_mask(mask)[0].tolist()[:4] == [0, 0, 0, 0]
+
+
+def _ragged_batch(B=4, P=6, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.tensor([6, 2, 4, 5])[:B]
+    rlen = torch.tensor([7, 1, 4, 0])[:B]  # one row with an empty response
+    pmask = torch.arange(P)[None] >= (P - plen)[:, None]
+    rmask = torch.arange(T)[None] < rlen[:, None]
+    ids = torch.cat([torch.randint(5, 300, (B, P), generator=g) * pmask, torch.randint(5, 300, (B, T), generator=g) * rmask], 1)
+    return ids, torch.cat([pmask, rmask], 1).long(), rmask
+
+
+def test_packed_equals_padded_values_and_gradients(tiny_model_factory):
+    """Packed (padding-free, block-diagonal attention) ≡ padded: the same log-probs, entropies and
+    parameter gradients, with ragged prompts and responses (incl. an empty response)."""
+    P, T = 6, 7
+    ids, mask, rmask = _ragged_batch(P=P, T=T)
+    targets = ids[:, P:]
+    out = {}
+    for packed in (False, True):
+        model = tiny_model_factory(0).train()
+        h = response_hidden(model, ids, mask, P, T, packed=packed)
+        lp, ent = token_logprobs(h, model.get_output_embeddings(), targets, chunk_size=5, with_entropy=True)
+        ((lp * rmask).sum() + 0.1 * (ent * rmask).sum()).backward()
+        out[packed] = (lp.detach() * rmask, ent.detach() * rmask,
+                       {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-5, atol=1e-5)
+    assert out[True][2].keys() == out[False][2].keys()
+    for k, g in out[False][2].items():
+        torch.testing.assert_close(out[True][2][k], g, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_packed_rows_do_not_see_each_other(tiny_model_factory):
+    """Changing one row's tokens leaves every other row's packed hidden states unchanged."""
+    P, T = 6, 7
+    ids, mask, _ = _ragged_batch(P=P, T=T)
+    model = tiny_model_factory(0)
+    with torch.no_grad():
+        a = response_hidden(model, ids, mask, P, T, packed=True)
+        ids2 = ids.clone()
+        ids2[0, P:] = (ids2[0, P:] + 17) % 300 * mask[0, P:]
+        b = response_hidden(model, ids2, mask, P, T, packed=True)
+    torch.testing.assert_close(a[1:], b[1:], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[0], b[0])

@@ -1,7 +1,7 @@
 """One GRPO optimizer step on a FIXED global batch under a Lightning strategy; rank 0 saves the
 global loss and the full (unsharded) gradients. Run as a script (Lightning re-launches it per rank):
 
-    python tests/distributed/parity_script.py OUT.pt DEVICES STRATEGY AGG MICRO_BATCH [ACCELERATOR]
+    python tests/distributed/parity_script.py OUT.pt DEVICES STRATEGY AGG MICRO_BATCH [ACCELERATOR [PACKED]]
 
 tests/distributed/test_parity.py compares 1 process with 2 (ddp, fsdp2): equal within float tolerance.
 """
@@ -76,9 +76,12 @@ class ParityModule(GRPOModule):
 def main() -> None:
     _, devices, strategy, agg, mbs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
     accel = sys.argv[6] if len(sys.argv) > 6 else "cpu"  # "gpu": NCCL on CUDA devices (fp32, so 1e-4 tolerances hold)
+    packed = len(sys.argv) > 7 and sys.argv[7] == "packed"  # padding-free forwards
     cfg = load_config([f"trainer.devices={devices}", f"trainer.strategy={strategy}", f"trainer.accelerator={accel}",
                        f"algorithm.agg={agg}", f"algorithm.micro_batch_size={mbs}", "algorithm.entropy_coef=0.01",
-                       "rollout.prompts_per_step=2", "rollout.group_size=4", "algorithm.clip_high=0.28"])
+                       "rollout.prompts_per_step=2", "rollout.group_size=4", "algorithm.clip_high=0.28",
+                       f"algorithm.packed={packed}",
+                       f"algorithm.micro_batch_tokens={os.environ.get('PARITY_MICRO_BATCH_TOKENS', '0')}"])
     tok = build_tokenizer()
     torch.manual_seed(0)
     model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -2,6 +2,7 @@
 full gradients on 1 process and on 2 processes (gloo) under FSDP2 and DDP, for every loss aggregation."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,12 @@ import torch
 SCRIPT = Path(__file__).with_name("parity_script.py")
 
 
-def _run(tmp_path: Path, devices: int, strategy: str, agg: str, mbs: int) -> dict:
-    out = tmp_path / f"{devices}-{strategy}-{agg}-{mbs}.pt"
-    r = subprocess.run([sys.executable, str(SCRIPT), str(out), str(devices), strategy, agg, str(mbs)],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+def _run(tmp_path: Path, devices: int, strategy: str, agg: str, mbs: int, packed: bool = False, mb_tokens: int = 0) -> dict:
+    out = tmp_path / f"{devices}-{strategy}-{agg}-{mbs}-{packed}-{mb_tokens}.pt"
+    extra = ["cpu", "packed"] if packed else []
+    env = {**os.environ, "PARITY_MICRO_BATCH_TOKENS": str(mb_tokens)}
+    r = subprocess.run([sys.executable, str(SCRIPT), str(out), str(devices), strategy, agg, str(mbs), *extra],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out)
 
@@ -31,3 +34,13 @@ def test_two_processes_match_one(tmp_path, agg, strategies):
         for k, g in ref["grads"].items():
             torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-7, msg=f"{strategy} {agg} {k}")
         assert sum(g.abs().sum() for g in ref["grads"].values()) > 0
+
+
+def test_packed_two_processes_match_padded_one(tmp_path):
+    """Packed (padding-free) micro-batches on 2 FSDP2 ranks, split by a 20-token budget (3 micro-batches on
+    rank 0, 2 on rank 1, padded with an empty one) ≡ the padded batch in one micro-batch on one process."""
+    ref = _run(tmp_path, 1, "auto", "token-mean", 8)
+    got = _run(tmp_path, 2, "fsdp2", "token-mean", 8, packed=True, mb_tokens=20)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    for k, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-7, msg=k)
