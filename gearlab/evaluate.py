@@ -43,27 +43,48 @@ def evaluate(cfg: Config) -> dict[str, Any]:
 def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     """Greedy accuracy, avg@k and unbiased pass@k on ``eval.num_problems`` test problems.
 
-    The problems and sampling seeds depend only on ``trainer.seed``, so every run of a paired
-    comparison is evaluated on the same problems with the same random numbers.
+    The problems and sampling seeds depend only on ``trainer.seed`` (and the number of processes), so
+    every run of a paired comparison is evaluated on the same problems with the same random numbers.
+    In a multi-process run each rank evaluates every world-th problem and the means are aggregated across
+    ranks with torchmetrics (weighted by counts: the same numbers as one process on all problems, up to
+    the sampling stream, which depends on the batch).
     """
+    from torchmetrics import MeanMetric
+
+    from gearlab.distributed import gathered_for_generation
+
+    world, rank = 1, 0
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     problems = task.problems("test", cfg.eval.num_problems, cfg.trainer.seed)
+    if len(problems) % world:
+        raise ConfigError(f"key 'eval.num_problems': {len(problems)} is not divisible by the {world} processes")
+    mine = problems[rank::world]
     engine = engine_from_config(tok, task, cfg)
+    engine.synced_gpus = world > 1  # ranks decode different problems: keep their forward passes in step
+    dev = next(model.parameters()).device
     t0 = time.time()
-    greedy = engine.generate(model, problems, group_size=1, seed=cfg.trainer.seed,
-                             sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
     k = cfg.eval.k
-    sampled = engine.generate(model, problems, group_size=k, seed=cfg.trainer.seed + 1,
-                              sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.eval.temperature,
-                                                      top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
+    with gathered_for_generation(model):
+        greedy = engine.generate(model, mine, group_size=1, seed=cfg.trainer.seed,
+                                 sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
+        sampled = engine.generate(model, mine, group_size=k, seed=cfg.trainer.seed + 1 + 7919 * rank,
+                                  sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                                          temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
+                                                          top_k=cfg.rollout.top_k))
     correct = (sampled.rewards >= 1 - 1e-6).float().view(-1, k).sum(-1)
-    # multi-turn tasks: how the greedy episodes used their tools and ended
-    extra = {f"greedy_{n}": v for n, v in greedy.meta.get("rollout_stats", {}).items()
-             if n in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean")}
-    return {
-        "problems": len(problems),
-        "greedy_accuracy": float((greedy.rewards >= 1 - 1e-6).float().mean()),
-        f"avg@{k}": float(correct.mean() / k),
-        f"pass@{k}": float(pass_at_k(correct, k, k).mean()),
-        **extra,
-        "seconds": round(time.time() - t0, 2),
-    }
+    values = {"greedy_accuracy": (greedy.rewards >= 1 - 1e-6).float(), f"avg@{k}": correct / k,
+              f"pass@{k}": pass_at_k(correct, k, k)}
+    out: dict[str, Any] = {"problems": len(problems)}
+    for name, v in values.items():
+        m = MeanMetric().to(dev)
+        m.update(v.to(dev))
+        out[name] = float(m.compute())
+    # multi-turn tasks: how the greedy episodes used their tools and ended (means over episodes)
+    for n, v in greedy.meta.get("rollout_stats", {}).items():
+        if n in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean"):
+            m = MeanMetric().to(dev)
+            m.update(torch.tensor(float(v), device=dev), weight=torch.tensor(float(len(mine)), device=dev))
+            out[f"greedy_{n}"] = float(m.compute())
+    out["seconds"] = round(time.time() - t0, 2)
+    return out

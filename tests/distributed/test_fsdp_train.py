@@ -70,7 +70,8 @@ def test_fsdp2_stop_resume_is_exact_and_exports(tmp_path, tiny_model_dir):
 
 def test_two_node_torchrun_launch(tmp_path, tiny_model_dir):
     port = _free_port()
-    args = _common(tiny_model_dir, tmp_path / "n", "trainer.devices=1", "trainer.num_nodes=2", "trainer.max_steps=2")
+    args = _common(tiny_model_dir, tmp_path / "n", "trainer.devices=1", "trainer.num_nodes=2", "trainer.max_steps=2",
+                   "eval.num_problems=4", "eval.k=2")  # evaluation split over the 2 ranks
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port),
@@ -83,6 +84,9 @@ def test_two_node_torchrun_launch(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "n" / "arith-grpo-s0"
     assert sorted(p.name for p in (run_dir / "checkpoints" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert (run_dir / "final" / "model.safetensors").is_file()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'n' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("gearlab").experiment_id])
+    assert len(client.get_metric_history(run.info.run_id, "eval/greedy_accuracy")) == 2  # before and after
 
 
 @pytest.mark.parametrize("override,msg", [("trainer.strategy=fsdp1", "fsdp1 is not supported yet"),
