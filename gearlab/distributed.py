@@ -48,9 +48,6 @@ def check(cfg: Config) -> None:
                           "log-prob head; measured on 2 GPUs); use fsdp2" + ("" if gpu else " — fsdp1 also needs GPUs"))
     if cfg.trainer.cpu_offload and s != "fsdp2":
         raise ConfigError(f"key 'trainer.cpu_offload': only with trainer.strategy=fsdp2 (got {s})")
-    if s in ("ddp", "fsdp2") and cfg.eval.num_problems % world_size(cfg):
-        raise ConfigError(f"key 'eval.num_problems': {cfg.eval.num_problems} is not divisible by the {world_size(cfg)} "
-                          f"processes (each evaluates its share)")
     if s in ("ddp", "fsdp2", "fsdp1") and cfg.rollout.prompts_per_step % world_size(cfg):
         raise ConfigError(f"key 'rollout.prompts_per_step': {cfg.rollout.prompts_per_step} is not divisible by the "
                           f"{world_size(cfg)} processes (trainer.devices × trainer.num_nodes)")

@@ -57,9 +57,12 @@ def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     problems = task.problems("test", cfg.eval.num_problems, cfg.trainer.seed)
-    if len(problems) % world:
-        raise ConfigError(f"key 'eval.num_problems': {len(problems)} is not divisible by the {world} processes")
     mine = problems[rank::world]
+    # every rank decodes the same number of problems (their forward passes must stay in step): ranks
+    # with one fewer repeat a problem at weight 0
+    per = -(-len(problems) // world)
+    weight = torch.tensor([1.0] * len(mine) + [0.0] * (per - len(mine)))
+    mine = mine + problems[:1] * (per - len(mine))
     engine = engine_from_config(tok, task, cfg)
     engine.synced_gpus = world > 1  # ranks decode different problems: keep their forward passes in step
     dev = next(model.parameters()).device
@@ -78,9 +81,10 @@ def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"problems": len(problems)}
     for name, v in values.items():
         m = MeanMetric().to(dev)
-        m.update(v.to(dev))
+        m.update(v.to(dev), weight=weight.to(dev))
         out[name] = float(m.compute())
-    # multi-turn tasks: how the greedy episodes used their tools and ended (means over episodes)
+    # multi-turn tasks: how the greedy episodes used their tools and ended (means over episodes; a padding
+    # repeat, at most one per rank, is counted here)
     for n, v in greedy.meta.get("rollout_stats", {}).items():
         if n in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean"):
             m = MeanMetric().to(dev)
