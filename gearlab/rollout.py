@@ -124,19 +124,22 @@ class HFRolloutEngine:
 
     def score(self, problems: Sequence[Problem], texts: Sequence[str]) -> Tensor:
         """Rewards [N]; a reward function that raises scores 0 (counted) unless reward_errors='raise'."""
-        out, errors = [], 0
-        for p, t in zip(problems, texts):
-            try:
-                r = float(self.task.reward(p, t))
-                if not math.isfinite(r):
-                    raise ValueError(f"non-finite reward {r}")
-            except Exception:
-                if self.reward_errors == "raise":
-                    raise
-                r, errors = 0.0, errors + 1
-            out.append(r)
-        self.last_reward_errors = errors
-        return torch.tensor(out, dtype=torch.float32)
+        scored = [self.guarded_reward(lambda: self.task.reward(p, t)) for p, t in zip(problems, texts)]
+        self.last_reward_errors = sum(failed for _, failed in scored)
+        return torch.tensor([r for r, _ in scored], dtype=torch.float32)
+
+    def guarded_reward(self, compute) -> tuple[float, bool]:
+        """(reward, failed): ``compute()`` as a float; a raise or a non-finite value scores 0 and counts as an
+        error, unless ``reward_errors='raise'``."""
+        try:
+            r = float(compute())
+            if not math.isfinite(r):
+                raise ValueError(f"non-finite reward {r}")
+            return r, False
+        except Exception:
+            if self.reward_errors == "raise":
+                raise
+            return 0.0, True
 
     def generate(self, model: nn.Module, problems: Sequence[Problem], *, group_size: int, sampling: SamplingParams,
                  seed: int, with_teacher: bool | str = False, group_offset: int = 0) -> RolloutBatch:

@@ -225,16 +225,9 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
             real[i, :n] = True
             tid[i, :n] = torch.tensor(e.turn_of, dtype=torch.long)
             turn_r[i, : len(e.turn_rewards)] = torch.tensor(e.turn_rewards)
-            try:
-                r = float(e.env.outcome())
-                if not math.isfinite(r):
-                    raise ValueError(f"non-finite outcome reward {r}")
-            except Exception:
-                if self.reward_errors == "raise":
-                    raise
-                r, errors = 0.0, errors + 1
+            r, failed = self.guarded_reward(e.env.outcome)
             outcomes.append(r)
-            errors += e.env_errors
+            errors += failed + e.env_errors
         self.last_reward_errors = errors
         prompt_ids, prompt_mask = _left_pad([e.prompt for e in episodes], pad)
         teacher = {}

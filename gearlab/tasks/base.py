@@ -20,6 +20,7 @@ __all__ = [
     "get_task",
     "load_jsonl_problems",
     "privileged_suffix",
+    "sample_cycling",
 ]
 
 
@@ -146,6 +147,20 @@ def load_jsonl_problems(path: str | Path) -> list[Problem]:
                     meta=meta,
                 )
             )
+    return out
+
+
+def sample_cycling(pool: list[Problem], n: int, key: str) -> list[Problem]:
+    """`n` problems from `pool`, shuffled by a ``random.Random(key)`` stream; the pool is reshuffled and
+    repeated when `n` exceeds it (file-backed tasks with few rows)."""
+    import random
+
+    rng = random.Random(key)
+    out: list[Problem] = []
+    while len(out) < n:
+        order = pool[:]
+        rng.shuffle(order)
+        out += order[: n - len(out)]
     return out
 
 

@@ -28,12 +28,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import random
 import re
 from pathlib import Path
 from typing import Any
 
-from gearlab.tasks.base import Problem, Task, register_task
+from gearlab.tasks.base import Problem, Task, register_task, sample_cycling
 
 __all__ = ["FunctionCallingTask", "load_fncall_rows", "parse_calls", "score_calls", "SAMPLE_PATH", "MalformedCall"]
 
@@ -229,13 +228,7 @@ class FunctionCallingTask(Task):
         if not pool:
             raise ValueError(f"{self.path}: no rows fall in the {split!r} split ({len(self.rows)} rows, test_fraction "
                              f"{self.test_fraction})")
-        rng = random.Random(f"fncall/{split}/{self.seed if seed is None else seed}")
-        out: list[Problem] = []
-        while len(out) < n:
-            order = pool[:]
-            rng.shuffle(order)
-            out += order[: n - len(out)]
-        return out
+        return sample_cycling(pool, n, f"fncall/{split}/{self.seed if seed is None else seed}")
 
     def messages(self, problem: Problem, privileged: bool | str = False) -> list[dict[str, str]]:
         tools = "\n".join(json.dumps(t, sort_keys=True) for t in problem.meta["tools"])

@@ -24,14 +24,13 @@ import functools
 import hashlib
 import importlib.util
 import json
-import random
 import re
 import threading
 from math import isnan
 from pathlib import Path
 from typing import Any
 
-from gearlab.tasks.base import Problem, Task, register_task
+from gearlab.tasks.base import Problem, Task, register_task, sample_cycling
 
 __all__ = ["SAMPLES", "MathTask", "last_boxed", "load_math_problems", "math_reward", "row_to_problem"]
 
@@ -303,13 +302,7 @@ class MathTask(Task):
         if not pool:
             raise ValueError(f"{self.test_path if split == 'test' and self.test_path else self.path}: no rows "
                              f"fall in the {split!r} split (test_fraction {self.test_fraction})")
-        rng = random.Random(f"{self.name}/{split}/{self.seed if seed is None else seed}")
-        out: list[Problem] = []
-        while len(out) < n:
-            order = pool[:]
-            rng.shuffle(order)
-            out += order[: n - len(out)]
-        return out
+        return sample_cycling(pool, n, f"{self.name}/{split}/{self.seed if seed is None else seed}")
 
     def extract_answer(self, completion: str) -> str | None:
         r"""The content of the last ``\boxed{}``, stripped of whitespace, ``$`` and a final period; or None."""
