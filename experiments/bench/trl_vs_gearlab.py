@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT))
 V, PROMPTS, G, PROMPT_LEN, NEW = 151_936, 16, 8, 64, 256
 
 
-def build_model_dir(d: Path) -> Path:
+def build_tokenizer():
+    """A word-level tokenizer over the full Qwen3 vocabulary size (w0 … w151932 + ChatML specials)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     from gearlab.models.tiny import CHAT_TEMPLATE
 
@@ -42,6 +43,33 @@ def build_model_dir(d: Path) -> Path:
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   bos_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
     tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+def bench_task():
+    """Random 64-token prompts (answer "0") and a uniform random reward: every group has spread."""
+    from gearlab.tasks.base import Problem, Task
+
+    class BenchTask(Task):
+        name = "bench"
+
+        def problems(self, split, n, seed=0):
+            return [Problem(prompt=prompt_text(i), answer="0") for i in range(n)]
+
+        def extract_answer(self, completion):
+            return None
+
+        def reward(self, problem, completion):
+            return float(torch.rand(()))
+
+    return BenchTask()
+
+
+def build_model_dir(d: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = build_tokenizer()
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=V, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=4096,
@@ -93,19 +121,6 @@ def run_gearlab(model_dir: Path, iters: int) -> dict:
     from gearlab.credit import build
     from gearlab.data import PromptDataModule
     from gearlab.module import GRPOModule
-    from gearlab.tasks.base import Problem, Task
-
-    class BenchTask(Task):
-        name = "bench"
-
-        def problems(self, split, n, seed=0):
-            return [Problem(prompt=prompt_text(i), answer="0") for i in range(n)]
-
-        def extract_answer(self, completion):
-            return None
-
-        def reward(self, problem, completion):
-            return float(torch.rand(()))
 
     # the weights are bf16 themselves; Lightning's precision stays 32-true (its bf16-true plugin would try to
     # cast the batch of prompt objects)
@@ -116,7 +131,7 @@ def run_gearlab(model_dir: Path, iters: int) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    task = BenchTask()
+    task = bench_task()
     times: list[dict] = []
 
     class Bench(GRPOModule):

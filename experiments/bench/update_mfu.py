@@ -34,6 +34,10 @@ SHAPES = {  # Qwen3 configs (hidden, intermediate, layers, heads, kv heads, head
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
 }
@@ -51,6 +55,7 @@ def main() -> None:
     ap.add_argument("--checkpointing", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--chunk-size", type=int, default=1024, help="positions per chunk of the log-prob head")
+    ap.add_argument("--cpu-offload", type=int, default=0, help="FSDP2 CPU offload of parameters, grads, optimizer state")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -70,11 +75,15 @@ def main() -> None:
     cfg = load_config([f"trainer.devices={a.devices}", "trainer.strategy=fsdp2", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
                        f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", f"trainer.activation_checkpointing={bool(a.checkpointing)}",
                        f"algorithm.micro_batch_size={a.micro_batch}", f"rollout.prompts_per_step={a.prompts}",
-                       f"rollout.group_size={G}", "model.dtype=float32", f"signals.chunk_size={a.chunk_size}"])
+                       f"rollout.group_size={G}", "model.dtype=float32", f"signals.chunk_size={a.chunk_size}",
+                       f"trainer.cpu_offload={bool(a.cpu_offload)}"])
     torch.manual_seed(0)
     mcfg = Qwen3Config(vocab_size=V, max_position_embeddings=8192, rope_theta=1e6, **SHAPES[a.shape])
     mcfg._attn_implementation = "sdpa"
-    model = Qwen3ForCausalLM(mcfg)
+    # built on this rank's GPU (a 4B/8B fp32 model initialised on the CPU by 4–8 ranks at once takes minutes);
+    # fully_shard then keeps only this rank's shard and the full tensors are freed
+    with torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if gpu else "cpu"):
+        model = Qwen3ForCausalLM(mcfg)
     n_total = sum(p.numel() for p in model.parameters())
     H, Lyr, S = mcfg.hidden_size, mcfg.num_hidden_layers, a.prompt_len + a.response_len
     # N = non-embedding params + the head; with tied embeddings the one V×H matrix is the head
@@ -107,6 +116,7 @@ def main() -> None:
                 self._global_sum(1.0)
                 self.times.append(time.perf_counter() - t0)
             self.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
+            self.reserved_gib = torch.cuda.max_memory_reserved() / 2**30 if gpu else float("nan")
 
     module = Bench(cfg, model, build_tokenizer(), get_task("arith"), build("grpo"))
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=a.devices, strategy=distributed.make_strategy(cfg),
@@ -117,11 +127,11 @@ def main() -> None:
         t = sorted(module.times[1:])[len(module.times[1:]) // 2]  # median after warm-up
         tokens = B * S  # every position is a forward/backward position (prompt + response)
         res = {"shape": a.shape, "params": n_total, "devices": a.devices, "sequences": B, "seq_len": S,
-               "micro_batch": a.micro_batch, "activation_checkpointing": bool(a.checkpointing), "chunk_size": a.chunk_size,
+               "micro_batch": a.micro_batch, "cpu_offload": bool(a.cpu_offload), "activation_checkpointing": bool(a.checkpointing), "chunk_size": a.chunk_size,
                "update_s_median": round(t, 3), "update_s_all": [round(x, 3) for x in module.times],
                "tokens_per_s": round(tokens / t), "tokens_per_s_per_gpu": round(tokens / t / a.devices),
                "mfu": round(flops_per_token * tokens / t / (a.devices * PEAK_BF16), 4) if gpu else None,
-               "peak_mem_gib_rank0": round(module.peak_gib, 2),
+               "peak_mem_gib_rank0": round(module.peak_gib, 2), "peak_reserved_gib_rank0": round(module.reserved_gib, 2),
                "device": torch.cuda.get_device_name(0) if gpu else "cpu",
                "torch": torch.__version__}
         print(json.dumps(res))
