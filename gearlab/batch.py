@@ -29,6 +29,8 @@ class RolloutBatch:
       rewards         [B] float, outcome reward per sequence
       old_logprobs    [B, T] float or None: log π_old of the response tokens
       ref_logprobs    [B, T] float or None: log π_ref, only when a KL term is used
+      rollout_logprobs [B, T] float or None: the rollout ENGINE's log-prob of each sampled token (vLLM;
+                      0 where response_mask is 0) — differs from old_logprobs by the train/inference mismatch
       turn_ids        [B, T] long or None: turn index of every response token (multi-turn)
       turn_rewards    [B, K] float or None: per-turn rewards (multi-turn)
       teacher_prompt_ids / teacher_prompt_mask [B, P'] or None: the privileged-context prompt
@@ -46,6 +48,7 @@ class RolloutBatch:
     attention_mask: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    rollout_logprobs: Tensor | None = None
     turn_ids: Tensor | None = None
     turn_rewards: Tensor | None = None
     teacher_prompt_ids: Tensor | None = None
@@ -85,7 +88,7 @@ class RolloutBatch:
             raise ValueError(f"RolloutBatch.prompt_ids must be [B={B}, P], got {tuple(self.prompt_ids.shape)}")
         if self.prompt_mask.shape != self.prompt_ids.shape:
             raise ValueError("RolloutBatch.prompt_mask must have the shape of prompt_ids")
-        for name in ("response_mask", "attention_mask", "old_logprobs", "ref_logprobs", "turn_ids"):
+        for name in ("response_mask", "attention_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs", "turn_ids"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B, T):
                 raise ValueError(f"RolloutBatch.{name} must be [B={B}, T={T}], got {tuple(t.shape)}")

@@ -40,8 +40,24 @@ class TaskConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """``rollout.engine=vllm`` (gearlab.vllm_engine): one colocated vLLM engine per training process."""
+
+    weight_sync: str = "auto"  # auto (inplace on GPU, reload on CPU) | inplace | reload (rebuild from a saved checkpoint)
+    bucket_mb: float = 512  # inplace sync: parameters are sent in buckets of at most this many MB
+    sleep: str = "auto"  # auto (on with CUDA) | on | off: free the engine's GPU memory during the update (sleep/wake)
+    sleep_level: int = 1  # vLLM sleep level: 1 offloads weights to CPU and drops the KV cache; 2 drops both
+    gpu_memory_utilization: float = 0.3  # share of each GPU the engine may take (weights + KV cache)
+    tensor_parallel_size: int = 1  # >1: the engine spans this many of a node's training processes
+    max_model_len: int = 0  # 0 = longest prompt budget + max_new_tokens, rounded up
+    enforce_eager: bool = True  # no CUDA graphs (start-up in seconds; set false for long GPU runs)
+    dtype: str = "auto"  # auto = the policy's dtype
+    cpu_kv_cache_gb: int = 1  # CPU backend only (VLLM_CPU_KVCACHE_SPACE)
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "hf"
+    engine: str = "hf"  # hf (transformers generate) | vllm
     prompts_per_step: int = 16
     group_size: int = 8
     max_new_tokens: int = 48
@@ -52,6 +68,7 @@ class RolloutConfig:
     # multi-turn tasks only: max_new_tokens caps ONE policy turn
     max_turns: int = 0  # policy turns per episode; 0 = the task's default
     max_total_tokens: int = 0  # response tokens (policy + environment) per episode; 0 = max_new_tokens × max_turns
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
@@ -65,6 +82,9 @@ class AlgorithmConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
+    # truncated importance sampling against the rollout engine (rollout.engine=vllm): each token's policy-gradient
+    # term × min(π_old / π_engine, tis_cap), detached (anchors.md §3 item 10); 0 = off
+    tis_cap: float = 0.0
     agg: str = "token-mean"
     loss_scale_factor: float | None = None
     kl_coef: float = 0.0
@@ -267,13 +287,16 @@ _CHOICES = {
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.reward_errors": ("zero", "raise"),
     "model.dtype": ("auto", "float32", "bfloat16"),
-    "rollout.engine": ("hf",),
+    "rollout.engine": ("hf", "vllm"),
+    "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
+    "rollout.vllm.sleep": ("auto", "on", "off"),
+    "rollout.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "trainer.strategy": ("auto", "ddp", "fsdp2", "fsdp1"),
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "rollout.batch_size",
              "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.micro_batch_size",
              "signals.chunk_size", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_nonfinite",
-             "trainer.devices", "trainer.num_nodes")
+             "trainer.devices", "trainer.num_nodes", "rollout.vllm.bucket_mb", "rollout.vllm.tensor_parallel_size")
 
 
 def validate(cfg: Config) -> None:
@@ -290,6 +313,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError("key 'rollout.temperature': must be > 0 (greedy decoding is for eval, not GRPO)")
     if cfg.algorithm.dual_clip is not None and cfg.algorithm.dual_clip <= 1:
         raise ConfigError(f"key 'algorithm.dual_clip': must be > 1, got {cfg.algorithm.dual_clip}")
+    if cfg.algorithm.tis_cap != 0 and cfg.algorithm.tis_cap < 1:
+        raise ConfigError(f"key 'algorithm.tis_cap': must be 0 (off) or >= 1, got {cfg.algorithm.tis_cap}")
+    if cfg.algorithm.tis_cap and cfg.rollout.engine != "vllm":
+        raise ConfigError("key 'algorithm.tis_cap': the correction needs the engine's log-probs (rollout.engine=vllm)")
+    if not 0 < cfg.rollout.vllm.gpu_memory_utilization <= 1:
+        raise ConfigError(f"key 'rollout.vllm.gpu_memory_utilization': must be in (0, 1], got {cfg.rollout.vllm.gpu_memory_utilization}")
+    if cfg.rollout.vllm.sleep_level not in (1, 2):
+        raise ConfigError(f"key 'rollout.vllm.sleep_level': must be 1 or 2, got {cfg.rollout.vllm.sleep_level}")
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"key 'algorithm.mini_batches': {cfg.algorithm.mini_batches} does not divide the {n} sequences of a step")

@@ -40,12 +40,14 @@ def check(cfg: Config) -> None:
     s = strategy_name(cfg)
     gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
     if s == "fsdp1":
-        # Measured on 2×H200 (tests/distributed/parity_script.py … fsdp1 gpu): FSDP1 wraps the whole
-        # LightningModule, and the chunked log-prob head re-runs the head on the gathered weight inside the
-        # backward pass, outside any FSDP1 unit's forward; FSDP1's post-backward hook then asserts
-        # ("Expects BACKWARD_PRE or BACKWARD_POST state but got FORWARD"). FSDP2 handles it (parity tested).
-        raise ConfigError("key 'trainer.strategy': fsdp1 is not supported yet (its backward hooks reject the chunked "
-                          "log-prob head; measured on 2 GPUs); use fsdp2" + ("" if gpu else " — fsdp1 also needs GPUs"))
+        # Seen on 2×H200 (tests/distributed/parity_script.py … fsdp1 gpu): Lightning's FSDPStrategy wraps the
+        # LightningModule in the FSDP1 root and runs training_step inside the root's forward; gearlab's manual
+        # optimization calls backward there, and FSDP1's post-backward hook asserts ("Expects BACKWARD_PRE or
+        # BACKWARD_POST state but got FORWARD") — the open Lightning issues #19626 / #19685. Also, FSDP1 keeps
+        # the root's parameters as sharded views after forward, which the chunked log-prob head cannot use.
+        raise ConfigError("key 'trainer.strategy': fsdp1 is not supported (Lightning's FSDPStrategy runs training_step "
+                          "inside the FSDP1 root's forward, where manual-optimization backward fails); use fsdp2"
+                          + ("" if gpu else " — fsdp1 also needs GPUs"))
     if cfg.trainer.cpu_offload and s != "fsdp2":
         raise ConfigError(f"key 'trainer.cpu_offload': only with trainer.strategy=fsdp2 (got {s})")
     if s in ("ddp", "fsdp2", "fsdp1") and cfg.rollout.prompts_per_step % world_size(cfg):

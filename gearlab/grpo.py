@@ -157,13 +157,15 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None,
                 agg: str = "token-mean", global_tokens: Optional[Count] = None,
                 global_seqs: Optional[Count] = None, loss_scale_factor: Optional[float] = None,
-                dp_size: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
+                dp_size: int = 1, is_weights: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO/GRPO clipped surrogate (verl ``compute_policy_loss_vanilla``), reduced by ``aggregate``.
 
     logprobs, old_logprobs, advantages, mask: [B, T] (advantages may be [B, 1]).
     r = exp(clamp(logp - old, -20, 20)); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
     DAPO clip-higher is clip_low=0.2, clip_high=0.28. dual_clip=c (> 1, verl uses 3.0) caps the
     loss of A < 0 tokens at -A c (dual-clip PPO); None disables it (verl always applies it).
+    is_weights [B, T] or None: per-token importance weights multiplied into the clipped term, no gradient
+    through them (truncated IS against the rollout engine: min(π_old / π_engine, C), verl's TIS).
     Returns (scalar loss, metrics); metrics are detached scalar token-means over the LOCAL mask:
       clipfrac       tokens where the clipped term is strictly larger (its gradient is cut)
       clipfrac_high  of those, A > 0 with r > 1 + clip_high
@@ -185,6 +187,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         cap = -advantages * dual_clip
         dual_active = neg & (per_tok > cap)
         per_tok = torch.where(neg, torch.minimum(per_tok, cap), per_tok)
+    if is_weights is not None:
+        per_tok = per_tok * is_weights.detach()
     loss = aggregate(per_tok, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
                      loss_scale_factor=loss_scale_factor, dp_size=dp_size)
     with torch.no_grad():
@@ -204,6 +208,34 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
             "ratio_mean": mmean(ratio),
         }
     return loss, metrics
+
+
+def engine_mismatch(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, tis_cap: float = 0.0
+                    ) -> tuple[Optional[Tensor], dict[str, Tensor]]:
+    """Train/inference mismatch of the sampled tokens, and truncated importance weights (TIS).
+
+    trainer_logprobs (log π_old from the trainer's forward), engine_logprobs (the rollout engine's own
+    log-probs of the same tokens), mask: [B, T]. With Δ = trainer − engine and ρ = exp(Δ):
+      engine_lp_diff_abs   mean |Δ| over the mask
+      engine_lp_diff_max   max |Δ| (of this micro-batch)
+      engine_kl_k3         mean(ρ − 1 − Δ): a k3 estimate of KL(π_engine ‖ π_trainer) from the engine's samples
+      tis_weight_mean, tis_clip_frac (tis_cap > 0): mean of min(ρ, cap) and the share of tokens capped
+    Returns (weights [B, T] detached or None when tis_cap == 0, metrics).
+    """
+    m = mask.bool()
+    n = m.sum().clamp_min(1)
+    with torch.no_grad():
+        d = (trainer_logprobs - engine_logprobs).float().clamp(-20.0, 20.0)
+        rho = d.exp()
+        absd = d.abs() * m
+        metrics = {"engine_lp_diff_abs": absd.sum() / n, "engine_lp_diff_max": absd.max() if m.any() else absd.sum(),
+                   "engine_kl_k3": ((rho - 1 - d) * m).sum() / n}
+        if tis_cap <= 0:
+            return None, metrics
+        w = rho.clamp(max=tis_cap)
+        metrics["tis_weight_mean"] = (w * m).sum() / n
+        metrics["tis_clip_frac"] = ((rho > tis_cap) & m).sum() / n
+        return w, metrics
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:

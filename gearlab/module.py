@@ -7,6 +7,7 @@ normalised by the GLOBAL token/sequence count of the optimizer step (all micro-b
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -53,7 +54,8 @@ class GRPOModule(L.LightningModule):
             self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
                                               chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size,
                                               packed=cfg.algorithm.packed)
-        self.engine = engine_from_config(tokenizer, task, cfg)
+        self.engine = engine_from_config(tokenizer, task, cfg, training=True)
+        self.generator = self.engine.generator  # None: HF generate on the policy; else e.g. a colocated vLLM engine
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                                       micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer,
                                       packed=cfg.algorithm.packed)
@@ -111,11 +113,14 @@ class GRPOModule(L.LightningModule):
         G = cfg.rollout.group_size
         rank = self.trainer.global_rank if self._trainer is not None else 0
         t0 = time.perf_counter()
-        with gathered_for_generation(self.policy):  # sharded: gather the weights once, not once per token
+        # HF generate on a sharded policy: gather the weights once, not once per token (another engine holds its own copy)
+        with gathered_for_generation(self.policy) if self.generator is None else contextlib.nullcontext():
             rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
                                       seed=step_seed(cfg.trainer.seed, it, rank),
                                       with_teacher=self.assigner.teacher_context if needs_teacher(self.assigner) else False,
                                       group_offset=rank * len(batch["problems"]))
+        if self.generator is not None:
+            self.generator.release()  # e.g. vLLM sleeps: its GPU memory goes back to the update
         rb = _to_device(rb, self.device)
         seq_adv = grpo.group_advantages(rb.rewards, rb.group_ids, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
                                         leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
@@ -137,6 +142,9 @@ class GRPOModule(L.LightningModule):
 
         t2 = time.perf_counter()
         upd = self._update(rb, adv, loss_mask, it)
+        if self.generator is not None:
+            self.generator.mark_stale()  # the next rollout first syncs the new weights into the engine
+            upd.update(self.generator.stats())
         t3 = time.perf_counter()
         upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
         self.iterations_done = it + 1
@@ -210,9 +218,12 @@ class GRPOModule(L.LightningModule):
                                    temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
                                    with_entropy=alg.entropy_coef > 0)
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+        is_w, mismatch = None, {}
+        if mb.rollout_logprobs is not None:  # sampled by another engine (vLLM): its log-probs vs the trainer's
+            is_w, mismatch = grpo.engine_mismatch(old, mb.rollout_logprobs, mb.response_mask, alg.tis_cap)
         loss, metrics = grpo.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                                         dual_clip=alg.dual_clip, agg=alg.agg, **pg_counts)
-        metrics = dict(metrics, pg_loss=loss.detach())
+                                         dual_clip=alg.dual_clip, agg=alg.agg, is_weights=is_w, **pg_counts)
+        metrics = dict(metrics, pg_loss=loss.detach(), **mismatch)
         if alg.kl_coef > 0:
             kl = grpo.aggregate(grpo.kl_penalty(logp, mb.ref_logprobs, alg.kl_kind), mb.response_mask, alg.agg, **full_counts)
             loss = loss + alg.kl_coef * kl
@@ -270,7 +281,7 @@ class GRPOModule(L.LightningModule):
         }
         data_crc = upd.pop("data_crc")  # fingerprint of this iteration's prompts: paired runs must agree
         out["train/data_crc"] = data_crc
-        out.update({(f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"): v for k, v in upd.items()})
+        out.update({(k if "/" in k else f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"): v for k, v in upd.items()})
         out.update({f"credit/{k}": v for k, v in credit_metrics.items()})
         out.update({f"rollout/{k}": v for k, v in rb.meta.get("rollout_stats", {}).items()})  # multi-turn: tool use, ends
         out = {k: float(v) for k, v in out.items()}

@@ -37,6 +37,17 @@ class RolloutEngine(Protocol):
                  seed: int, with_teacher: bool = False) -> RolloutBatch: ...
 
 
+class TokenGenerator(Protocol):
+    """What turns prompt ids into sampled ids: HF ``generate`` (built in) or another inference engine
+    (``gearlab.vllm_engine.VLLMGenerator``). The single- and multi-turn engines call only this."""
+
+    def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
+               seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Left-padded prompts [N, P] → (response ids [N, T] right-padded, mask [N, T] bool, the engine's
+        log-probs of the sampled tokens [N, T] float32 or None)."""
+        ...
+
+
 def step_seed(base_seed: int, step: int, rank: int = 0) -> int:
     """A distinct, reproducible seed per (run seed, step, rank)."""
     return (base_seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
@@ -55,8 +66,10 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
 class HFRolloutEngine:
     """Batched sampling with ``model.generate``; rewards from the task."""
 
-    def __init__(self, tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero") -> None:
+    def __init__(self, tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero",
+                 generator: TokenGenerator | None = None) -> None:
         self.tok = tokenizer
+        self.generator = generator  # None: HF generate on the policy itself
         self.task = task
         self.batch_size = batch_size
         self.reward_errors = reward_errors
@@ -87,12 +100,24 @@ class HFRolloutEngine:
                 ids.add(tid)
         return sorted(i for i in ids if i is not None)
 
-    @torch.no_grad()
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int) -> tuple[Tensor, Tensor]:
         """Generate for each prompt row: (response_ids [N, T] right-padded, response_mask [N, T] bool).
 
         A response ends at (and includes) its first stop token; everything after is padding.
         """
+        resp, mask, _ = self.sample_with_logprobs(model, prompt_ids, prompt_mask, sampling, seed)
+        return resp, mask
+
+    def sample_with_logprobs(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
+                             seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``sample`` plus the generating engine's log-probs of the sampled tokens [N, T] (None for HF
+        ``generate``: the trainer's own forward is the reference there)."""
+        if self.generator is not None:
+            return self.generator.sample(model, prompt_ids, prompt_mask, sampling, seed)
+        return (*self._hf_sample(model, prompt_ids, prompt_mask, sampling, seed), None)
+
+    @torch.no_grad()
+    def _hf_sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int) -> tuple[Tensor, Tensor]:
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
@@ -151,7 +176,7 @@ class HFRolloutEngine:
         rep = lambda t: t.repeat_interleave(group_size, dim=0)  # noqa: E731
         prompt_ids, prompt_mask = rep(prompt_ids), rep(prompt_mask)
         expanded = [p for p in problems for _ in range(group_size)]
-        resp, rmask = self.sample(model, prompt_ids, prompt_mask, sampling, seed)
+        resp, rmask, engine_lp = self.sample_with_logprobs(model, prompt_ids, prompt_mask, sampling, seed)
         texts = self.tok.batch_decode(resp.masked_fill(~rmask, self.tok.pad_token_id), skip_special_tokens=True)
         rewards = self.score(expanded, texts)
         teacher = {}
@@ -161,25 +186,34 @@ class HFRolloutEngine:
         group_ids = torch.arange(len(problems)).repeat_interleave(group_size) + group_offset
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=rmask,
-            group_ids=group_ids, rewards=rewards, **teacher,
+            group_ids=group_ids, rewards=rewards, rollout_logprobs=engine_lp, **teacher,
             meta={"answers": [p.answer for p in expanded], "texts": list(texts), "reward_errors": self.last_reward_errors},
         )
 
 
 def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero", max_turns: int = 0,
-                max_total_tokens: int = 0) -> HFRolloutEngine:
+                max_total_tokens: int = 0, generator: TokenGenerator | None = None) -> HFRolloutEngine:
     """The rollout engine for ``task``: the multi-turn loop (``gearlab.envs.multiturn``) when the task
-    is multi-turn, else single-turn sampling. ``max_turns=0`` takes the task's default."""
+    is multi-turn, else single-turn sampling. ``max_turns=0`` takes the task's default. ``generator``:
+    the token generator (None = HF ``generate`` on the policy)."""
     if getattr(task, "multi_turn", False):
         from gearlab.envs.multiturn import MultiTurnRolloutEngine
 
         return MultiTurnRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors,
-                                      max_turns=max_turns or task.max_turns, max_total_tokens=max_total_tokens)
-    return HFRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors)
+                                      max_turns=max_turns or task.max_turns, max_total_tokens=max_total_tokens,
+                                      generator=generator)
+    return HFRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors, generator=generator)
 
 
-def engine_from_config(tokenizer, task: Task, cfg) -> HFRolloutEngine:
-    """``make_engine`` with the ``rollout`` / ``trainer`` settings of a gearlab Config."""
+def engine_from_config(tokenizer, task: Task, cfg, *, training: bool = False) -> HFRolloutEngine:
+    """``make_engine`` with the ``rollout`` / ``trainer`` settings of a gearlab Config. ``training``: the
+    engine of a training run, the only one that uses ``rollout.engine=vllm`` (evaluation, inspect and
+    replay decode with HF ``generate``)."""
     r = cfg.rollout
+    generator = None
+    if training and r.engine == "vllm":
+        from gearlab.vllm_engine import VLLMGenerator
+
+        generator = VLLMGenerator.from_config(tokenizer, cfg)
     return make_engine(tokenizer, task, batch_size=r.batch_size, reward_errors=cfg.trainer.reward_errors,
-                       max_turns=r.max_turns, max_total_tokens=r.max_total_tokens)
+                       max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, generator=generator)

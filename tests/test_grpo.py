@@ -406,3 +406,39 @@ def test_micro_batches_by_token_budget():
     # ≤ 20 real tokens and ≤ 2 rows per micro-batch; a 25-token row goes alone; order kept
     assert [c.tolist() for c in micro_batches(idx, lengths, 2, 20)] == [[5, 2], [7], [1], [0]]
     assert [c.tolist() for c in micro_batches(idx, lengths, 1, 100)] == [[5], [2], [7], [1], [0]]
+
+
+def test_engine_mismatch_and_truncated_is_hand_values():
+    from gearlab.grpo import engine_mismatch
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    engine = torch.tensor([[-1.0, -1.0, -1.5, -9.0]])  # Δ = 0, −1, +1, (+6 but masked)
+    mask = torch.tensor([[True, True, True, False]])
+    w, m = engine_mismatch(trainer, engine, mask, tis_cap=2.0)
+    assert m["engine_lp_diff_abs"].item() == pytest.approx(2 / 3)
+    assert m["engine_lp_diff_max"].item() == pytest.approx(1.0)
+    k3 = (0.0 + (math.exp(-1) - 1 + 1) + (math.e - 1 - 1)) / 3  # ρ − 1 − Δ per token
+    assert m["engine_kl_k3"].item() == pytest.approx(k3)
+    assert torch.allclose(w, torch.tensor([[1.0, math.exp(-1), 2.0, 2.0]]))  # e¹ capped at 2
+    assert m["tis_weight_mean"].item() == pytest.approx((1 + math.exp(-1) + 2) / 3)
+    assert m["tis_clip_frac"].item() == pytest.approx(1 / 3)
+    w0, m0 = engine_mismatch(trainer, engine, mask, tis_cap=0.0)
+    assert w0 is None and "tis_weight_mean" not in m0
+
+
+def test_is_weights_scale_each_tokens_term_without_gradient():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.0, -2.1, -0.4]])
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    w = torch.tensor([[0.5, 1.0, 2.0]], requires_grad=True)
+    plain, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum")
+    weighted, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum", is_weights=w)
+    ratio = (logp - old).exp()
+    per_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    assert weighted.item() == pytest.approx((per_tok * w).sum().item())
+    assert plain.item() == pytest.approx(per_tok.sum().item())
+    weighted.backward()
+    assert w.grad is None  # the weights are constants of the loss
+    g = torch.autograd.grad(policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum")[0], logp)[0]
+    assert torch.allclose(logp.grad, g * w.detach())

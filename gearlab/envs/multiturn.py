@@ -57,6 +57,7 @@ class Episode:
     tokens: list[int] = field(default_factory=list)
     generated: list[bool] = field(default_factory=list)
     turn_of: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the engine's, for generated tokens (0 elsewhere)
     turn_rewards: list[float] = field(default_factory=list)
     anchors: list[Hashable] = field(default_factory=list)
     end_reason: str | None = None
@@ -66,10 +67,11 @@ class Episode:
     finished: bool = False
     env_errors: int = 0
 
-    def append(self, ids: Sequence[int], generated: bool, turn: int) -> None:
+    def append(self, ids: Sequence[int], generated: bool, turn: int, logprobs: Sequence[float] | None = None) -> None:
         self.tokens += list(ids)
         self.generated += [generated] * len(ids)
         self.turn_of += [turn] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
 
 def encode_demo(tokenizer, task: Task, problem: Problem, actions: Sequence[str], privileged: bool | str = False
@@ -110,8 +112,8 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
     """
 
     def __init__(self, tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero",
-                 max_turns: int = 4, max_total_tokens: int = 0, step_workers: int = 8) -> None:
-        super().__init__(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors)
+                 max_turns: int = 4, max_total_tokens: int = 0, step_workers: int = 8, generator=None) -> None:
+        super().__init__(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors, generator=generator)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
@@ -150,11 +152,12 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
                 caps = [min(sampling.max_new_tokens, budget - len(e.tokens)) for e in active]
                 ids, mask = _left_pad([e.prompt + e.tokens for e in active], self.tok.pad_token_id)
                 turn_seed = (seed + 1_000_003 * (turn + 1)) % (2**63 - 1)
-                resp, rmask = self.sample(model, ids, mask, replace(sampling, max_new_tokens=max(caps)), turn_seed)
+                resp, rmask, lps = self.sample_with_logprobs(model, ids, mask, replace(sampling, max_new_tokens=max(caps)),
+                                                             turn_seed)
                 acting: list[tuple[Episode, str]] = []
-                for e, cap, row, m in zip(active, caps, resp, rmask):
+                for k, (e, cap, row, m) in enumerate(zip(active, caps, resp, rmask)):
                     toks = row[: int(m.sum())].tolist()[:cap]
-                    e.append(toks, True, turn)
+                    e.append(toks, True, turn, None if lps is None else lps[k, : len(toks)].tolist())
                     e.turn_rewards.append(0.0)
                     if not toks or toks[-1] not in stop:  # cut mid-turn: never stepped
                         e.end_reason = "token_budget" if cap < sampling.max_new_tokens else "turn_length"
@@ -217,6 +220,7 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
         real = torch.zeros((B, T), dtype=torch.bool)
         tid = torch.zeros((B, T), dtype=torch.long)
         turn_r = torch.full((B, K), float("nan"))
+        engine_lp = torch.zeros((B, T)) if self.generator is not None else None
         outcomes, errors = [], 0
         for i, e in enumerate(episodes):
             n = len(e.tokens)
@@ -225,6 +229,8 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
             real[i, :n] = True
             tid[i, :n] = torch.tensor(e.turn_of, dtype=torch.long)
             turn_r[i, : len(e.turn_rewards)] = torch.tensor(e.turn_rewards)
+            if engine_lp is not None:
+                engine_lp[i, :n] = torch.tensor(e.logprobs)
             r, failed = self.guarded_reward(e.env.outcome)
             outcomes.append(r)
             errors += failed + e.env_errors
@@ -240,7 +246,7 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=gen, attention_mask=real,
             group_ids=group_ids, rewards=torch.tensor(outcomes, dtype=torch.float32), turn_ids=tid, turn_rewards=turn_r,
-            **teacher,
+            rollout_logprobs=engine_lp, **teacher,
             meta={"answers": [e.problem.answer for e in episodes], "texts": texts, "reward_errors": errors,
                   "anchor_obs": [list(e.anchors[: len(e.turn_rewards)]) for e in episodes],
                   "end_reasons": [e.end_reason or "max_turns" for e in episodes],
