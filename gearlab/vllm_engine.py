@@ -287,6 +287,10 @@ class VLLMGenerator:
             # mode does the same): each TP group of tp ranks holds one engine
             kw["tensor_parallel_size"] = self.tp
             kw["distributed_executor_backend"] = "external_launcher"
+            # it reads the torchrun variables; Lightning's own launcher does not set all of them
+            os.environ.setdefault("RANK", str(dist.get_rank()))
+            os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+            os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count() or dist.get_world_size())))
         if self._factory is not None:
             return self._factory(**kw)
         from vllm import LLM

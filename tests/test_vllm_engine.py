@@ -285,3 +285,27 @@ def test_missing_vllm_is_a_one_line_error_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine.*vllm is not installed"):
         train(load_config(["rollout.engine=vllm", f"trainer.output_dir={tmp_path}"]))
     assert not any(tmp_path.iterdir())  # nothing started
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_fsdp2_two_processes_sync_sharded_weights_into_each_engine(tmp_path, embedded_dir):
+    """2 gloo ranks, FSDP2-sharded policy, one vLLM engine per rank (vLLM's external_launcher on the
+    training process group): the bucketed gather of the shards keeps every engine equal to the trainer."""
+    import os
+    import subprocess
+    import sys
+
+    import mlflow
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", "rollout.engine=vllm", "trainer.devices=2",
+                        "trainer.accelerator=cpu", "trainer.max_steps=2", "rollout.prompts_per_step=4",
+                        f"model.name_or_path={embedded_dir}", f"trainer.output_dir={tmp_path}", "trainer.progress_bar=false",
+                        "eval.num_problems=0"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = c.search_runs([c.get_experiment_by_name("gearlab").experiment_id])
+    hist = lambda k: [m.value for m in c.get_metric_history(run.info.run_id, k)]  # noqa: E731
+    assert hist("vllm/weight_sync_inplace") == [1.0, 1.0]
+    assert max(hist("update/engine_lp_diff_max")) < 1e-4  # iteration 2 sampled from the synced, updated weights
