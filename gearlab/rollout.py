@@ -53,6 +53,17 @@ def step_seed(base_seed: int, step: int, rank: int = 0) -> int:
     return (base_seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
 
 
+STATIC_PAD = 64
+
+
+def _pad_left_to(ids: Tensor, mask: Tensor, multiple: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad [N, P] prompts to the next multiple of ``multiple`` positions (masked: same samples)."""
+    extra = -ids.shape[1] % multiple
+    if not extra:
+        return ids, mask
+    return (torch.nn.functional.pad(ids, (extra, 0), value=pad_id), torch.nn.functional.pad(mask, (extra, 0), value=0))
+
+
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -67,9 +78,12 @@ class HFRolloutEngine:
     """Batched sampling with ``model.generate``; rewards from the task."""
 
     def __init__(self, tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero",
-                 generator: TokenGenerator | None = None) -> None:
+                 generator: TokenGenerator | None = None, static_cache: bool = False) -> None:
         self.tok = tokenizer
         self.generator = generator  # None: HF generate on the policy itself
+        # HF generate with a static KV cache, which transformers compiles on GPUs (CUDA-graphed decode steps);
+        # prompts are left-padded to a multiple of STATIC_PAD so a few shapes recur and compile once
+        self.static_cache = static_cache
         self.task = task
         self.batch_size = batch_size
         self.reward_errors = reward_errors
@@ -133,6 +147,9 @@ class HFRolloutEngine:
                         do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
                     if self.synced_gpus:
                         kw["synced_gpus"] = True
+                    if self.static_cache and not self.synced_gpus:  # (sharded policies decode eagerly)
+                        ids, mask = _pad_left_to(ids, mask, STATIC_PAD, self.tok.pad_token_id)
+                        kw["cache_implementation"] = "static"
                     gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                                          eos_token_id=stop, pad_token_id=self.tok.pad_token_id, **kw)
                     outs.append(gen[:, ids.shape[1]:].cpu())
@@ -192,7 +209,7 @@ class HFRolloutEngine:
 
 
 def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero", max_turns: int = 0,
-                max_total_tokens: int = 0, generator: TokenGenerator | None = None) -> HFRolloutEngine:
+                max_total_tokens: int = 0, generator: TokenGenerator | None = None, static_cache: bool = False) -> HFRolloutEngine:
     """The rollout engine for ``task``: the multi-turn loop (``gearlab.envs.multiturn``) when the task
     is multi-turn, else single-turn sampling. ``max_turns=0`` takes the task's default. ``generator``:
     the token generator (None = HF ``generate`` on the policy)."""
@@ -201,8 +218,9 @@ def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: s
 
         return MultiTurnRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors,
                                       max_turns=max_turns or task.max_turns, max_total_tokens=max_total_tokens,
-                                      generator=generator)
-    return HFRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors, generator=generator)
+                                      generator=generator, static_cache=static_cache)
+    return HFRolloutEngine(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors, generator=generator,
+                           static_cache=static_cache)
 
 
 def engine_from_config(tokenizer, task: Task, cfg, *, training: bool = False) -> HFRolloutEngine:
@@ -216,4 +234,5 @@ def engine_from_config(tokenizer, task: Task, cfg, *, training: bool = False) ->
 
         generator = VLLMGenerator.from_config(tokenizer, cfg)
     return make_engine(tokenizer, task, batch_size=r.batch_size, reward_errors=cfg.trainer.reward_errors,
-                       max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, generator=generator)
+                       max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, generator=generator,
+                       static_cache=training and r.static_cache)

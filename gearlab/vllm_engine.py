@@ -282,12 +282,13 @@ class VLLMGenerator:
             kw["enable_sleep_mode"] = self._sleep_on()
         import torch.distributed as dist
 
-        if self.tp > 1 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self.tp > 1 or multi:
             # inside a multi-process training run vLLM must reuse the launcher's process group (TRL's colocate
             # mode does the same): each TP group of tp ranks holds one engine
             kw["tensor_parallel_size"] = self.tp
             kw["distributed_executor_backend"] = "external_launcher"
-            # it reads the torchrun variables; Lightning's own launcher does not set all of them
+        if multi:  # it reads the torchrun variables; Lightning's own launcher does not set all of them
             os.environ.setdefault("RANK", str(dist.get_rank()))
             os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
             os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count() or dist.get_world_size())))

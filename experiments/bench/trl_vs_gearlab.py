@@ -9,6 +9,12 @@ completions, 64-token prompts, 256 new tokens (forced in TRL with ``min_new_toke
 ``generate`` rollouts in both, gradient checkpointing on, micro-batches of 8, one optimizer step per
 iteration (TRL: per-device batch 8 × 16 accumulation steps; gearlab: micro_batch_size 8, one mini-batch).
 Reported: seconds per iteration (median of iterations 2..n) and, for gearlab, the rollout / update split.
+
+``--variants`` picks the runs (all in one process, same card): ``gearlab`` (eager HF decoding, dynamic KV
+cache), ``gearlab_static`` (``rollout.static_cache=true``: a static KV cache that transformers compiles),
+``trl`` (TRL's defaults) and ``trl_static`` (TRL with ``cache_implementation="static"`` plus its
+generation config's ``disable_compile`` switched off after construction — not a TRL option, the tuning
+gpu-notes.md measured). Iteration 1 (compilation) is excluded by the median.
 """
 from __future__ import annotations
 
@@ -85,7 +91,7 @@ def prompt_text(i: int) -> str:
     return " ".join(f"w{int(x)}" for x in torch.randint(10, 50_000, (PROMPT_LEN - 5,), generator=g))
 
 
-def run_trl(model_dir: Path, iters: int, out: Path) -> dict:
+def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -105,15 +111,19 @@ def run_trl(model_dir: Path, iters: int, out: Path) -> dict:
     args = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=8, gradient_accumulation_steps=16,
                       num_generations=G, max_completion_length=NEW, generation_kwargs={"min_new_tokens": NEW},
                       bf16=True, gradient_checkpointing=True, max_steps=iters, logging_steps=1, report_to="none",
-                      save_strategy="no", beta=0.0, learning_rate=1e-6, temperature=1.0, top_k=0, top_p=1.0)
+                      save_strategy="no", beta=0.0, learning_rate=1e-6, temperature=1.0, top_k=0, top_p=1.0,
+                      model_init_kwargs={"dtype": torch.bfloat16},  # bf16 parameters, as gearlab's run here
+                      **({"cache_implementation": "static"} if static else {}))
     reward = lambda completions, **kw: [float(torch.rand(())) for _ in completions]  # noqa: E731
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=ds)
+    if static:
+        trainer.generation_config.disable_compile = False  # TRL sets True; the static cache then runs compiled
     trainer.add_callback(Timer())
     trainer.train()
     return {"s_per_iter_all": [round(t, 2) for t in times], "s_per_iter": round(statistics.median(times[1:]), 2)}
 
 
-def run_gearlab(model_dir: Path, iters: int) -> dict:
+def run_gearlab(model_dir: Path, iters: int, static: bool = False) -> dict:
     import lightning as L
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,7 +137,8 @@ def run_gearlab(model_dir: Path, iters: int) -> dict:
     cfg = load_config(["trainer.accelerator=gpu", "trainer.precision=32-true", "model.dtype=bfloat16",
                        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.max_new_tokens={NEW}",
                        "rollout.batch_size=128", "algorithm.micro_batch_size=8", "trainer.activation_checkpointing=true",
-                       "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={iters}"])
+                       "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={iters}",
+                       f"rollout.static_cache={static}"])
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -153,23 +164,26 @@ def run_gearlab(model_dir: Path, iters: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--which", default="both", choices=["both", "trl", "gearlab"])
+    ap.add_argument("--variants", default="gearlab,gearlab_static,trl,trl_static")
     ap.add_argument("--out", default="trl_vs_gearlab.json")
     a = ap.parse_args()
     work = Path(os.environ.get("BENCH_WORK", "/tmp")) / "gearlab_bench_model"
     model_dir = build_model_dir(work)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "setting":
            f"Qwen3-0.6B shape, random bf16 weights, {PROMPTS} prompts x {G}, {PROMPT_LEN}-token prompts, {NEW} new tokens"}
-    if a.which in ("both", "gearlab"):
-        res["gearlab"] = run_gearlab(model_dir, a.iters)
-        print(json.dumps(res), flush=True)
-    if a.which in ("both", "trl"):
-        import trl
+    for v in a.variants.split(","):
+        if v.startswith("gearlab"):
+            res[v] = run_gearlab(model_dir, a.iters, static=v.endswith("_static"))
+        else:
+            import trl
 
-        res["trl_version"] = trl.__version__
-        res["trl"] = run_trl(model_dir, a.iters, work)
-    if "trl" in res and "gearlab" in res:
-        res["speedup_gearlab_over_trl"] = round(res["trl"]["s_per_iter"] / res["gearlab"]["s_per_iter"], 2)
+            res["trl_version"] = trl.__version__
+            res[v] = run_trl(model_dir, a.iters, work / v, static=v.endswith("_static"))
+        print(json.dumps(res), flush=True)
+    for g in ("gearlab", "gearlab_static"):
+        for t in ("trl", "trl_static"):
+            if g in res and t in res:
+                res[f"speedup_{g}_over_{t}"] = round(res[t]["s_per_iter"] / res[g]["s_per_iter"], 2)
     print(json.dumps(res), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
 

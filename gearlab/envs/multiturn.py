@@ -112,8 +112,10 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
     """
 
     def __init__(self, tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero",
-                 max_turns: int = 4, max_total_tokens: int = 0, step_workers: int = 8, generator=None) -> None:
-        super().__init__(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors, generator=generator)
+                 max_turns: int = 4, max_total_tokens: int = 0, step_workers: int = 8, generator=None,
+                 static_cache: bool = False) -> None:
+        super().__init__(tokenizer, task, batch_size=batch_size, reward_errors=reward_errors, generator=generator,
+                         static_cache=static_cache)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
