@@ -56,6 +56,22 @@ def step_seed(base_seed: int, step: int, rank: int = 0) -> int:
 STATIC_PAD = 64
 
 
+def global_max_int(x: int, device: torch.device) -> int:
+    """max of ``x`` over the ranks of the default process group (``x`` itself without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    t = torch.tensor([x], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _idle_prompt(prompt_ids: Tensor, pad_id: int) -> Tensor:
+    """One prompt row for a rank with nothing to generate (a real row if there is one)."""
+    return prompt_ids[:1] if prompt_ids.shape[0] else torch.full((1, 1), pad_id, dtype=torch.long)
+
+
 def _pad_left_to(ids: Tensor, mask: Tensor, multiple: int, pad_id: int) -> tuple[Tensor, Tensor]:
     """Left-pad [N, P] prompts to the next multiple of ``multiple`` positions (masked: same samples)."""
     extra = -ids.shape[1] % multiple
@@ -137,12 +153,18 @@ class HFRolloutEngine:
         device = next(model.parameters()).device
         stop = self._stop_ids()
         outs: list[Tensor] = []
+        N = prompt_ids.shape[0]
+        n_calls = math.ceil(N / self.batch_size)
+        if self.synced_gpus:  # ranks may hold different numbers of rows (multi-turn): all make the same calls
+            n_calls = global_max_int(n_calls, device)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                for s in range(0, prompt_ids.shape[0], self.batch_size):
-                    ids = prompt_ids[s : s + self.batch_size].to(device)
-                    mask = prompt_mask[s : s + self.batch_size].to(device)
+                for c in range(n_calls):
+                    s = c * self.batch_size
+                    idle = s >= N  # this rank has no rows left: a one-row call whose output is dropped
+                    ids = (prompt_ids[s : s + self.batch_size] if not idle else _idle_prompt(prompt_ids, self.tok.pad_token_id)).to(device)
+                    mask = (prompt_mask[s : s + self.batch_size] if not idle else torch.ones_like(ids)).to(device)
                     kw = dict(do_sample=False) if sampling.greedy else dict(
                         do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
                     if self.synced_gpus:
@@ -152,9 +174,12 @@ class HFRolloutEngine:
                         kw["cache_implementation"] = "static"
                     gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                                          eos_token_id=stop, pad_token_id=self.tok.pad_token_id, **kw)
-                    outs.append(gen[:, ids.shape[1]:].cpu())
+                    if not idle:
+                        outs.append(gen[:, ids.shape[1]:].cpu())
         finally:
             model.train(was_training)
+        if not outs:
+            return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool)
         T = max(o.shape[1] for o in outs)
         resp = torch.cat([torch.nn.functional.pad(o, (0, T - o.shape[1]), value=self.tok.pad_token_id) for o in outs])
         is_stop = torch.isin(resp, torch.tensor(stop))

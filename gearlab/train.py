@@ -217,9 +217,6 @@ class TrainResult:
 def train(cfg: Config) -> TrainResult:
     task, assigner = preflight(cfg)
     distributed.check(cfg)
-    if distributed.strategy_name(cfg) != "single" and getattr(task, "multi_turn", False):
-        raise ConfigError("key 'trainer.strategy': multi-turn tasks run on one process for now (the turn loop does "
-                          "not yet keep sharded ranks in step); use trainer.devices=1")
     rdir = run_dir(cfg)
     ckpt_dir = rdir / "checkpoints"
     resume: str | None = None

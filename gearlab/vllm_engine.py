@@ -104,6 +104,8 @@ class VLLMGenerator:
         self._ready(model)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
         rows, keep = self._tp_pool(rows)
+        if not rows:  # (a rank with nothing to generate this turn)
+            return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool), torch.zeros((0, 1))
         params = [self._params(sampling, (seed + i) % (2**63 - 1)) for i in range(len(rows))]
         from vllm.inputs import TokensPrompt
 
@@ -111,7 +113,7 @@ class VLLMGenerator:
         outs = [outs[i] for i in keep]
         seqs = [list(o.outputs[0].token_ids) for o in outs]
         lps = [_sampled_logprobs(o.outputs[0]) for o in outs]
-        T = max(1, max(len(s) for s in seqs))
+        T = max(1, max((len(s) for s in seqs), default=0))
         pad = self.tok.pad_token_id
         resp = torch.full((len(seqs), T), pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), T), dtype=torch.bool)

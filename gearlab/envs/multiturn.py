@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from gearlab.batch import RolloutBatch
 from gearlab.envs.base import Environment, StepResult
-from gearlab.rollout import HFRolloutEngine, SamplingParams, _left_pad
+from gearlab.rollout import global_max_int, HFRolloutEngine, SamplingParams, _left_pad
 from gearlab.tasks.base import Problem, Task
 
 __all__ = ["observation_text", "Episode", "MultiTurnRolloutEngine", "END_REASONS", "encode_demo"]
@@ -147,10 +147,16 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
             episodes.append(Episode(p, env, _prompt_ids(self.tok, self.task, p, privileged), anchors=[obs0]))
         pool = ThreadPoolExecutor(self.step_workers) if self.step_workers > 1 else None
         try:
+            device = next(model.parameters()).device
             for turn in range(self.max_turns):
                 active = [e for e in episodes if e.end_reason is None]
-                if not active:
+                n_active = global_max_int(len(active), device) if self.synced_gpus else len(active)
+                if not n_active:  # (sharded: no rank has an active episode left)
                     break
+                if not active:  # this rank is done but others generate: take part in their collectives
+                    self.sample_with_logprobs(model, torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long),
+                                              sampling, seed)
+                    continue
                 caps = [min(sampling.max_new_tokens, budget - len(e.tokens)) for e in active]
                 ids, mask = _left_pad([e.prompt + e.tokens for e in active], self.tok.pad_token_id)
                 turn_seed = (seed + 1_000_003 * (turn + 1)) % (2**63 - 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlflow
 import pytest
+import torch
 
 from gearlab.config import load_config
 from gearlab.train import train
@@ -93,3 +94,31 @@ def test_paired_comparison_on_the_tool_task(tmp_path, tool_model_dir, capsys):
     assert len({sorted(h, key=lambda m: m.step)[0].value for h in first.values()}) == 1  # same first rollouts
     printed = capsys.readouterr().out
     assert "called a tool (final greedy)" in printed and "| mt_grpo" in printed
+
+
+def test_multi_turn_training_on_two_fsdp2_processes(tmp_path, tool_model_dir):
+    """Ranks whose episodes end at different turns (and hold different numbers of rows per generate call:
+    rollout.batch_size=3) keep their collectives in step: 2 gloo ranks train and evaluate the tool task."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    args = ["task=tool_arith", "assigner=mt_grpo", f"model.name_or_path={tool_model_dir}", "trainer.devices=2",
+            "trainer.accelerator=cpu", "trainer.max_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=3",
+            "rollout.batch_size=3", "rollout.max_new_tokens=32", "eval.num_problems=5", "trainer.progress_bar=false",
+            f"trainer.output_dir={tmp_path}"]
+    r = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *args], capture_output=True, text=True,
+                       timeout=900, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = c.search_runs([c.get_experiment_by_name("gearlab").experiment_id])
+    m = run.data.metrics
+    assert run.info.status == "FINISHED" and m["train/iteration"] == 2
+    assert m["rollout/tool_call_frac"] > 0 and m["rollout/turns_mean"] > 1
+    assert sum(v for k, v in m.items() if k.startswith("rollout/end_")) == pytest.approx(1.0)
+    assert "eval/greedy_tool_call_frac" in m and "eval/greedy_accuracy" in m
+    final, start = load_file(str(tmp_path / "tool_arith-mt_grpo-s0" / "final" / "model.safetensors")), load_file(
+        str(tool_model_dir / "model.safetensors"))
+    assert any(not torch.equal(final[k], start[k]) for k in final)  # it trained
