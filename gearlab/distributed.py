@@ -1,5 +1,5 @@
 """Data-parallel strategies through Lightning: DDP, FSDP2 (``ModelParallelStrategy`` + ``fully_shard``)
-and FSDP1 (``FSDPStrategy``, GPU only; refused for now — see ``check``).
+and FSDP1 (``FSDPStrategy``, GPU only, each model wrapped by ``wrap_fsdp1`` in ``configure_model``).
 
 FSDP2 is the default with more than one process: it is the only sharded strategy Lightning runs on
 CPU (gloo) as well as on GPUs, so the CI tests the same code path a GPU cluster runs. Sharding:
@@ -39,15 +39,8 @@ def check(cfg: Config) -> None:
     """Combinations that cannot work, as one-line ConfigErrors before any work."""
     s = strategy_name(cfg)
     gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
-    if s == "fsdp1":
-        # Seen on 2×H200 (tests/distributed/parity_script.py … fsdp1 gpu): Lightning's FSDPStrategy wraps the
-        # LightningModule in the FSDP1 root and runs training_step inside the root's forward; gearlab's manual
-        # optimization calls backward there, and FSDP1's post-backward hook asserts ("Expects BACKWARD_PRE or
-        # BACKWARD_POST state but got FORWARD") — the open Lightning issues #19626 / #19685. Also, FSDP1 keeps
-        # the root's parameters as sharded views after forward, which the chunked log-prob head cannot use.
-        raise ConfigError("key 'trainer.strategy': fsdp1 is not supported (Lightning's FSDPStrategy runs training_step "
-                          "inside the FSDP1 root's forward, where manual-optimization backward fails); use fsdp2"
-                          + ("" if gpu else " — fsdp1 also needs GPUs"))
+    if s == "fsdp1" and not gpu:
+        raise ConfigError("key 'trainer.strategy': fsdp1 needs GPUs (PyTorch's FSDP1 does not run on CPU); use fsdp2")
     if cfg.trainer.cpu_offload and s != "fsdp2":
         raise ConfigError(f"key 'trainer.cpu_offload': only with trainer.strategy=fsdp2 (got {s})")
     if s in ("ddp", "fsdp2", "fsdp1") and cfg.rollout.prompts_per_step % world_size(cfg):
@@ -72,8 +65,10 @@ def make_strategy(cfg: Config) -> Any:
                                      save_distributed_checkpoint=True)
     from lightning.pytorch.strategies import FSDPStrategy
 
-    return FSDPStrategy(auto_wrap_policy=decoder_layer_classes(None), sharding_strategy="FULL_SHARD",
-                        state_dict_type="sharded", limit_all_gathers=True, cpu_offload=False)
+    # no auto-wrap here: GRPOModule.configure_model wraps each model itself (wrap_fsdp1), so Lightning leaves
+    # the LightningModule unwrapped and training_step — with its manual backward — runs outside any FSDP1
+    # forward (wrapping the LightningModule, Lightning's default, fails: Lightning issues #19626 / #19685)
+    return FSDPStrategy(sharding_strategy="FULL_SHARD", state_dict_type="sharded", limit_all_gathers=True)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -88,14 +83,29 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
 
 
-def decoder_layer_classes(model: nn.Module | None) -> set[type] | None:
-    """Layer classes for FSDP1's auto-wrap policy (None → Lightning resolves at setup for Qwen3/Llama)."""
-    if model is None:
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
-
-        return {Qwen3DecoderLayer, LlamaDecoderLayer}
+def decoder_layer_classes(model: nn.Module) -> set[type]:
+    """The decoder-layer classes of ``model`` (FSDP1's auto-wrap policy)."""
     return {type(layer) for layer in decoder_layers(model)}
+
+
+def wrap_fsdp1(model: nn.Module, device: torch.device, *, bf16: bool) -> nn.Module:
+    """FSDP1 (``FullyShardedDataParallel``) around one HF causal LM: a unit per decoder layer, the root holding
+    embeddings, final norm and head. ``use_orig_params=False``: after the root's forward its unsharded
+    parameters stay allocated (FSDP1 never frees the root after forward) and the module's weights stay
+    views of them, which the chunked log-prob head reads right after the forward (``gearlab.logprobs``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16) if bf16 else None
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)), sharding_strategy=ShardingStrategy.FULL_SHARD,
+                mixed_precision=mp, device_id=device, use_orig_params=False, limit_all_gathers=True)
+
+
+def is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP)
 
 
 def shard_fsdp2(modules: list[nn.Module], mesh: Any, *, bf16: bool, cpu_offload: bool) -> None:
@@ -117,7 +127,7 @@ def shard_fsdp2(modules: list[nn.Module], mesh: Any, *, bf16: bool, cpu_offload:
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return is_fsdp1(model) or any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -125,6 +135,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state dict for an unsharded model."""
     if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # FSDP1 and FSDP2 alike (names without FSDP1's wrapper prefixes)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -137,6 +148,12 @@ def gathered_for_generation(model: nn.Module) -> Iterator[None]:
     then holds the full weights in their compute dtype for the block. No-op for an unsharded model."""
     from torch.distributed.fsdp import FSDPModule
 
+    if is_fsdp1(model):  # the root's own weights gathered; the layer units gather per forward (as TRL does)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            yield
+        return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         yield

@@ -47,11 +47,16 @@ def _last_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, po
     handle = base.register_forward_hook(lambda m, args, out: captured.append(
         out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-              logits_to_keep=1)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=1)
     finally:
         handle.remove()
-    return captured[-1]
+    hidden = captured[-1]
+    if torch.is_grad_enabled() and type(model).__name__ == "FullyShardedDataParallel":
+        # FSDP1 finishes a backward (reduce-scatter, gradients into the flat parameters) from hooks on the
+        # root's OUTPUTS; the loss reaches the root through these hidden states, so tie one output in (× 0)
+        hidden = hidden + 0.0 * out.logits.sum().to(hidden.dtype)
+    return hidden
 
 
 def _packed_response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,

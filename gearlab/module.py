@@ -23,7 +23,7 @@ from gearlab import grpo
 from gearlab.batch import RolloutBatch
 from gearlab.config import Config
 from gearlab.credit import CreditAssigner
-from gearlab.distributed import gathered_for_generation
+from gearlab.distributed import gathered_for_generation, is_fsdp1
 from gearlab.logprobs import response_hidden, token_logprobs
 from gearlab.metrics import pass_at_k
 from gearlab.rollout import SamplingParams, engine_from_config, step_seed
@@ -71,8 +71,15 @@ class GRPOModule(L.LightningModule):
     def configure_model(self) -> None:
         """FSDP2 (``ModelParallelStrategy``): shard the policy and any frozen copy (reference, teacher)
         over the data-parallel mesh. Called by Lightning once per process, before the optimizers."""
+        if getattr(self, "_sharded", False):
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            self._wrap_fsdp1()
+            return
         mesh = getattr(self, "_device_mesh", None)
-        if mesh is None or getattr(self, "_sharded", False):
+        if mesh is None:
             return
         from gearlab.distributed import shard_fsdp2
 
@@ -82,6 +89,24 @@ class GRPOModule(L.LightningModule):
         shard_fsdp2(models, mesh["data_parallel"], bf16=bf16, cpu_offload=self.cfg.trainer.cpu_offload)
         self._sharded = True
         self.engine.synced_gpus = mesh["data_parallel"].size() > 1  # every rank steps generate() together
+
+    def _wrap_fsdp1(self) -> None:
+        """FSDP1 (trainer.strategy=fsdp1): wrap the policy and any frozen copy, and point every holder of
+        the policy (signals, teacher) at the wrapper — FSDP1 wraps, where FSDP2 shards in place."""
+        from gearlab.distributed import wrap_fsdp1
+
+        bf16 = self.cfg.trainer.precision.startswith("bf16")
+        dev = self.trainer.strategy.root_device  # (the module itself is still on the CPU here)
+        self.policy = wrap_fsdp1(self.policy, dev, bf16=bf16)
+        self.signals.model = self.policy
+        self.teacher.policy = self.policy
+        if self.teacher.copy is not None:
+            self.teacher.copy = wrap_fsdp1(self.teacher.copy, dev, bf16=bf16)
+        if self.ref_policy is not None:
+            self.ref_policy = wrap_fsdp1(self.ref_policy, dev, bf16=bf16)
+            self.ref_signals.model = self.ref_policy
+        self._sharded = True
+        self.engine.synced_gpus = self.trainer.world_size > 1
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # prompts are Python objects; tensors are made on the right device later
@@ -199,7 +224,10 @@ class GRPOModule(L.LightningModule):
                     continue
                 self.nonfinite_streak = 0
                 if self.cfg.optim.grad_clip > 0:
-                    gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
+                    if is_fsdp1(self.policy):  # the norm over all shards (FSDP1's flat parameters are local)
+                        gn = self.policy.clip_grad_norm_(self.cfg.optim.grad_clip)
+                    else:
+                        gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
                     logs.setdefault("grad_norm", []).append(float(gn))
                 opt.step()
                 sched.step()

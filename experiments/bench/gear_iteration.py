@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--assigner", default="gear")
+    ap.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "fsdp1", "ddp"])
     ap.add_argument("--new", type=int, default=256, help="new tokens per completion")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -48,7 +49,7 @@ def main() -> None:
     from gearlab.module import GRPOModule
 
     gpu = torch.cuda.is_available()
-    cfg = load_config([f"trainer.devices={a.devices}", "trainer.strategy=fsdp2", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
+    cfg = load_config([f"trainer.devices={a.devices}", f"trainer.strategy={a.strategy}", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
                        f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", "model.dtype=float32",
                        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.max_new_tokens={a.new}",
                        "rollout.batch_size=128", "algorithm.micro_batch_size=8", "trainer.activation_checkpointing=true",
@@ -83,7 +84,7 @@ def main() -> None:
         later = times[1:] or times
         med = lambda k: round(statistics.median([t[k] for t in later]), 2)  # noqa: E731
         tokens = PROMPTS * G * (64 + a.new)
-        res = {"shape": a.shape, "assigner": a.assigner, "devices": a.devices, "sequences": PROMPTS * G,
+        res = {"shape": a.shape, "assigner": a.assigner, "strategy": a.strategy, "devices": a.devices, "sequences": PROMPTS * G,
                "new_tokens": a.new, "s_per_iter_all": [round(t, 2) for t in tot],
                "s_per_iter": round(statistics.median(tot[1:] or tot), 2), "rollout_s": med("time_rollout_s"),
                "signals_credit_s": med("time_signals_credit_s"), "update_s": med("time_update_s"),

@@ -60,10 +60,8 @@ class ParityModule(GRPOModule):
 
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-        wrapped = self.trainer.strategy.model
-        if isinstance(wrapped, FSDP1):  # FSDP1 (GPU only): gather the flat-parameter shards with their grads
-            with FSDP1.summon_full_params(wrapped, with_grads=True):
-                grads = {n: p.grad.detach().float().cpu() for n, p in self.policy.named_parameters()}
+        if isinstance(self.policy, FSDP1):  # FSDP1 (GPU only): gather each unit's flat gradient, split it by parameter
+            grads = _fsdp1_full_grads(self.policy)
         else:
             grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().cpu()
                      for n, p in self.policy.named_parameters()}
@@ -71,6 +69,31 @@ class ParityModule(GRPOModule):
         loss = self._global_sum(torch.stack(self.losses).sum()) / self.trainer.world_size
         if self.trainer.is_global_zero:
             torch.save({"loss": loss.item(), "grads": grads}, sys.argv[1])
+
+
+def _fsdp1_full_grads(root) -> dict:
+    """{parameter name: full gradient} of an FSDP1 model (use_orig_params=False): all-gather every unit's
+    sharded flat gradient and cut it into the original parameters (FlatParameter's own bookkeeping)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    out = {}
+    for name, unit in root.named_modules():
+        if not isinstance(unit, FSDP1) or unit._handle is None:
+            continue
+        fp = unit._handle.flat_param
+        g = fp.grad if fp.grad is not None else torch.zeros_like(fp)
+        full = torch.empty(g.numel() * dist.get_world_size(), dtype=g.dtype, device=g.device)
+        dist.all_gather_into_tensor(full, g.contiguous())
+        prefix = name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        prefix = prefix + "." if prefix and not prefix.endswith(".") else prefix
+        offset, k = 0, 0
+        for numel, is_pad in zip(fp._numels_with_padding, fp._is_padding_mask):
+            if not is_pad:
+                out[prefix + fp._fqns[k]] = full[offset : offset + numel].view(fp._shapes[k]).float().cpu()
+                k += 1
+            offset += numel
+    return out
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ def test_two_node_torchrun_launch(tmp_path, tiny_model_dir):
     assert len(client.get_metric_history(run.info.run_id, "eval/greedy_accuracy")) == 2  # before and after
 
 
-@pytest.mark.parametrize("override,msg", [("trainer.strategy=fsdp1", "fsdp1 is not supported"),
+@pytest.mark.parametrize("override,msg", [("trainer.strategy=fsdp1", "fsdp1 needs GPUs"),
                                           ("trainer.cpu_offload=true", "only with trainer.strategy=fsdp2"),
                                           ("rollout.prompts_per_step=3", "not divisible by the 2 processes")])
 def test_bad_distributed_settings_fail_before_work(tmp_path, override, msg):
