@@ -14,6 +14,26 @@ import torch
 from gearlab.tasks.base import Problem, Task
 
 
+class ProblemBatch:
+    """One iteration's prompts, opaque to Lightning's batch utilities: they walk lists and dataclasses, and a
+    precision plugin's input conversion (FSDP1 with bf16-mixed, any bf16-true) would try to rewrite the
+    fields of the frozen ``Problem`` records. Iterable and sized like the list it holds."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Any) -> None:
+        self.items = list(items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Problem]:
+        return iter(self.items)
+
+    def __getitem__(self, i: int) -> Problem:
+        return self.items[i]
+
+
 class StepStream:
     """Iterable of per-iteration batches ``{"iteration": i, "problems": [...]}`` for i in [start, total).
 
@@ -29,7 +49,7 @@ class StepStream:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(self.start, self.total):
-            yield {"iteration": i, "problems": self.dm.step_problems(i)}
+            yield {"iteration": i, "problems": ProblemBatch(self.dm.step_problems(i))}
 
 
 class PromptDataModule(L.LightningDataModule):
