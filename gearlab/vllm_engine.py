@@ -103,7 +103,7 @@ class VLLMGenerator:
         first stop token, as with HF ``generate``."""
         self._ready(model)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
-        rows, keep = self._tp_pool(rows)
+        rows, keep, seed = self._tp_pool(rows, seed)
         if not rows:  # (a rank with nothing to generate this turn)
             return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool), torch.zeros((0, 1))
         params = [self._params(sampling, (seed + i) % (2**63 - 1)) for i in range(len(rows))]
@@ -319,11 +319,12 @@ class VLLMGenerator:
                    top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, stop_token_ids=stop,
                    logprobs=0, seed=seed, detokenize=False)
 
-    def _tp_pool(self, rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-        """Tensor parallelism: the ranks of one TP group generate the SAME request list (their prompts pooled,
-        group order); each keeps its own rows. Without TP: the rows themselves."""
+    def _tp_pool(self, rows: list[list[int]], seed: int) -> tuple[list[list[int]], list[int], int]:
+        """Tensor parallelism: the ranks of one TP group must submit the SAME requests, so their prompts are
+        pooled (group order) and seeded from the group's first rank; each keeps its own rows. Returns (requests,
+        indices of this rank's rows among them, seed). Without TP: the rows themselves."""
         if self.tp <= 1:
-            return rows, list(range(len(rows)))
+            return rows, list(range(len(rows))), seed
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -335,10 +336,10 @@ class VLLMGenerator:
                 if start <= rank < start + self.tp:
                     self._tp_group = g
         gathered: list[Any] = [None] * self.tp
-        dist.all_gather_object(gathered, rows, group=self._tp_group)
-        pooled = [r for part in gathered for r in part]
-        offset = sum(len(p) for p in gathered[: rank % self.tp])
-        return pooled, list(range(offset, offset + len(rows)))
+        dist.all_gather_object(gathered, (rows, seed), group=self._tp_group)
+        pooled = [r for part, _ in gathered for r in part]
+        offset = sum(len(part) for part, _ in gathered[: rank % self.tp])
+        return pooled, list(range(offset, offset + len(rows))), gathered[0][1]
 
 
 def _sampled_logprobs(out: Any) -> list[float]:

@@ -309,3 +309,55 @@ def test_fsdp2_two_processes_sync_sharded_weights_into_each_engine(tmp_path, emb
     hist = lambda k: [m.value for m in c.get_metric_history(run.info.run_id, k)]  # noqa: E731
     assert hist("vllm/weight_sync_inplace") == [1.0, 1.0]
     assert max(hist("update/engine_lp_diff_max")) < 1e-4  # iteration 2 sampled from the synced, updated weights
+
+
+def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from gearlab.models.tiny import build_tokenizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen: list = []
+
+    class Out:  # what vllm.LLM.generate returns, reduced to what gearlab reads
+        def __init__(self, ids):
+            self.outputs = [type("C", (), {"token_ids": ids, "logprobs": None})()]
+
+    class TPFake:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def generate(self, prompts, params, use_tqdm=False):
+            seen.append(([p["prompt_token_ids"] for p in prompts], [sp.seed for sp in params]))
+            return [Out([p["prompt_token_ids"][-1] + 100, 2]) for p in prompts]  # 2 = a stop token
+
+    tok = build_tokenizer()
+    gen = VLLMGenerator(tok, model_dir="unused", weight_sync="inplace", tensor_parallel_size=2, llm_factory=lambda **k: TPFake(**k))
+    gen.llm, gen.stale = gen._build("unused"), False  # built, in sync: only the request pooling is under test
+    n = 2 + rank  # ranks hold different numbers of rows
+    ids = torch.tensor([[10 * rank + i + 3] for i in range(n)])
+    resp, mask, _ = gen.sample(None, ids, torch.ones_like(ids), SamplingParams(max_new_tokens=4), seed=1000 * (rank + 1))
+    torch.save({"resp": resp, "seen": seen, "kw": gen.llm.kw}, f"{out}/tp{rank}.pt")
+    dist.destroy_process_group()
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_tensor_parallel_ranks_submit_identical_requests_and_keep_their_rows(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_tp_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    r0, r1 = (torch.load(tmp_path / f"tp{r}.pt") for r in (0, 1))
+    assert r0["seen"] == r1["seen"]  # the same prompts AND seeds on both ranks of the TP group
+    (prompts, seeds), = r0["seen"]
+    assert prompts == [[3], [4], [13], [14], [15]] and seeds == [1000 + i for i in range(5)]  # rank 0's seed
+    assert r0["resp"][:, 0].tolist() == [103, 104] and r1["resp"][:, 0].tolist() == [113, 114, 115]
+    assert r0["kw"]["distributed_executor_backend"] == "external_launcher" and r0["kw"]["tensor_parallel_size"] == 2
