@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trl_vs_gearlab import G, PROMPTS, V, bench_task, build_tokenizer  # noqa: E402
+from trl_vs_gearlab import G, PROMPTS, V, bench_task, build_tokenizer, timed_module  # noqa: E402
 from update_mfu import SHAPES  # noqa: E402
 
 
@@ -64,15 +64,7 @@ def main() -> None:
     task = bench_task()
     times: list[dict] = []
 
-    class Bench(GRPOModule):
-        def _log_iteration(self, rb, seq_adv, credit_metrics, upd):
-            times.append({k: upd[k] for k in ("time_rollout_s", "time_signals_credit_s", "time_update_s")})
-            times[-1]["response_len"] = float(rb.response_mask.sum(-1).float().mean())
-            times[-1]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
-            if gpu:
-                torch.cuda.reset_peak_memory_stats()
-
-    module = Bench(cfg, model, tok, task, build(cfg.assigner.name, dict(cfg.assigner.options)))
+    module = timed_module(GRPOModule, times)(cfg, model, tok, task, build(cfg.assigner.name, dict(cfg.assigner.options)))
     dm = PromptDataModule(task, prompts_per_step=PROMPTS, num_steps=a.iters, seed=0, pool_size=PROMPTS * a.iters)
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=a.devices, strategy=distributed.make_strategy(cfg),
                         precision=cfg.trainer.precision, max_epochs=1, logger=False, enable_checkpointing=False,

@@ -72,6 +72,22 @@ def bench_task():
     return BenchTask()
 
 
+def timed_module(base: type, times: list[dict]) -> type:
+    """``base`` (GRPOModule) recording each iteration's phase times, mean response length and (on GPUs) peak
+    memory into ``times`` instead of logging."""
+
+    class Timed(base):
+        def _log_iteration(self, rb, seq_adv, credit_metrics, upd):
+            t = {k: upd[k] for k in ("time_rollout_s", "time_signals_credit_s", "time_update_s")}
+            t["response_len"] = float(rb.response_mask.sum(-1).float().mean())
+            t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            times.append(t)
+
+    return Timed
+
+
 def build_model_dir(d: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -144,13 +160,7 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     task = bench_task()
     times: list[dict] = []
-
-    class Bench(GRPOModule):
-        def _log_iteration(self, rb, seq_adv, credit_metrics, upd):
-            times.append({k: upd[k] for k in ("time_rollout_s", "time_signals_credit_s", "time_update_s")})
-            times[-1]["response_len"] = float(rb.response_mask.sum(-1).float().mean())
-
-    module = Bench(cfg, model, tok, task, build("grpo"))
+    module = timed_module(GRPOModule, times)(cfg, model, tok, task, build("grpo"))
     dm = PromptDataModule(task, prompts_per_step=PROMPTS, num_steps=iters, seed=0, pool_size=PROMPTS * iters)
     L.Trainer(accelerator="gpu", devices=1, precision="32-true", max_epochs=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(module, datamodule=dm)
