@@ -22,6 +22,18 @@ for s in ("fsdp2", "fsdp1"):
 PY
     rm -f "$OUT"/q*.pt
   fi
+  if [[ $part == resume ]]; then
+    for s in fsdp1 fsdp2; do
+      R="$OUT/resume_$s"; mkdir -p "$R"
+      python tests/distributed/resume_script.py "$R" $s init
+      for ph in full stop resume; do
+        timeout 150 python tests/distributed/resume_script.py "$R" $s $ph > "$R/$ph.log" 2>&1 || { echo "$s $ph failed"; grep -B2 -A3 -m3 Error "$R/$ph.log" | tail -12; }
+      done
+      grep -h -m1 "resuming from" "$R/resume.log" | cut -c1-120
+      python tests/distributed/resume_script.py "$R" $s compare
+      rm -rf "$R"
+    done
+  fi
   if [[ $part == gear ]]; then
     for s in fsdp1 fsdp2; do
       timeout 200 python experiments/bench/gear_iteration.py --shape qwen3-0.6b --devices 2 --strategy $s --iters 3 --new 128 \
