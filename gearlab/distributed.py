@@ -124,6 +124,17 @@ def shard_fsdp2(modules: list[nn.Module], mesh: Any, *, bf16: bool, cpu_offload:
         fully_shard(m, **kw)
 
 
+def global_max_int(x: int, device: torch.device) -> int:
+    """max of ``x`` over the ranks of the default process group (``x`` itself without one); every rank calls it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    t = torch.tensor([x], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -145,7 +156,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def gathered_for_generation(model: nn.Module) -> Iterator[None]:
     """Keep an FSDP2 model's parameters gathered for the duration of the block (autoregressive decoding
     runs hundreds of forwards: gathering every layer once beats gathering it at every token). Each rank
-    then holds the full weights in their compute dtype for the block. No-op for an unsharded model."""
+    then holds the full weights in their compute dtype for the block. FSDP1: only the root's own weights
+    are gathered (its layer units gather at each forward). No-op for an unsharded model."""
     from torch.distributed.fsdp import FSDPModule
 
     if is_fsdp1(model):  # the root's own weights gathered; the layer units gather per forward (as TRL does)

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from gearlab.distributed import is_fsdp1
+
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """[B, L] → [B, L] position ids that skip left padding (as HF ``generate`` builds them)."""
@@ -52,7 +54,7 @@ def _last_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, po
     finally:
         handle.remove()
     hidden = captured[-1]
-    if torch.is_grad_enabled() and type(model).__name__ == "FullyShardedDataParallel":
+    if torch.is_grad_enabled() and is_fsdp1(model):
         # FSDP1 finishes a backward (reduce-scatter, gradients into the flat parameters) from hooks on the
         # root's OUTPUTS; the loss reaches the root through these hidden states, so tie one output in (× 0)
         hidden = hidden + 0.0 * out.logits.sum().to(hidden.dtype)

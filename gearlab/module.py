@@ -23,7 +23,7 @@ from gearlab import grpo
 from gearlab.batch import RolloutBatch
 from gearlab.config import Config
 from gearlab.credit import CreditAssigner
-from gearlab.distributed import gathered_for_generation, is_fsdp1
+from gearlab.distributed import gathered_for_generation, global_max_int, is_fsdp1
 from gearlab.logprobs import response_hidden, token_logprobs
 from gearlab.metrics import pass_at_k
 from gearlab.rollout import SamplingParams, engine_from_config, step_seed
@@ -203,7 +203,7 @@ class GRPOModule(L.LightningModule):
                 finite = torch.ones((), device=self.device)
                 chunks = micro_batches(idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens)
                 # sharded ranks must run the same number of forward/backward passes: pad with empty ones
-                n_max = int(self._global_max(len(chunks)))
+                n_max = global_max_int(len(chunks), self.device)
                 for j in range(n_max):
                     empty = j >= len(chunks)
                     mi = idx[:1] if empty else chunks[j]
@@ -261,12 +261,6 @@ class GRPOModule(L.LightningModule):
             loss = loss - alg.entropy_coef * eb
             metrics["entropy_bonus"] = eb.detach()
         return loss, metrics
-
-    def _global_max(self, x: Tensor | float) -> Tensor:
-        t = torch.as_tensor(x, dtype=torch.float32, device=self.device)
-        if self._trainer is None or self.trainer.world_size == 1:
-            return t
-        return self.trainer.strategy.reduce(t.clone(), reduce_op="max")
 
     def _global_sum(self, x: Tensor | float) -> Tensor:
         t = torch.as_tensor(x, dtype=torch.float32, device=self.device)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from gearlab.batch import RolloutBatch
+from gearlab.distributed import global_max_int
 from gearlab.tasks.base import Problem, Task
 
 
@@ -56,15 +57,14 @@ def step_seed(base_seed: int, step: int, rank: int = 0) -> int:
 STATIC_PAD = 64
 
 
-def global_max_int(x: int, device: torch.device) -> int:
-    """max of ``x`` over the ranks of the default process group (``x`` itself without one)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    t = torch.tensor([x], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+def stop_token_ids(tokenizer) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS and the ChatML end tokens it knows."""
+    ids = {tokenizer.eos_token_id}
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
 
 
 def _idle_prompt(prompt_ids: Tensor, pad_id: int) -> Tensor:
@@ -123,12 +123,7 @@ class HFRolloutEngine:
         return _left_pad(rows, self.tok.pad_token_id)
 
     def _stop_ids(self) -> list[int]:
-        ids = {self.tok.eos_token_id}
-        for name in ("<|im_end|>", "<|endoftext|>"):
-            tid = self.tok.convert_tokens_to_ids(name)
-            if isinstance(tid, int) and tid != self.tok.unk_token_id and tid is not None:
-                ids.add(tid)
-        return sorted(i for i in ids if i is not None)
+        return stop_token_ids(self.tok)
 
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int) -> tuple[Tensor, Tensor]:
         """Generate for each prompt row: (response_ids [N, T] right-padded, response_mask [N, T] bool).

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from gearlab.rollout import SamplingParams
+from gearlab.rollout import SamplingParams, stop_token_ids
 
 log = logging.getLogger("gearlab")
 
@@ -65,6 +65,7 @@ class VLLMGenerator:
                  dtype: str = "auto", cpu_kv_cache_gb: int = 1, workdir: str | None = None,
                  llm_factory: Callable[..., Any] | None = None) -> None:
         self.tok = tokenizer
+        self.stop_ids = stop_token_ids(tokenizer)  # the HF engine's stop tokens
         self.model_dir = model_dir  # an HF folder with the policy's architecture (and tokenizer), to start from
         self.weight_sync = weight_sync
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -310,13 +311,10 @@ class VLLMGenerator:
     def _params(self, sampling: SamplingParams, seed: int) -> Any:
         from vllm import SamplingParams as VSP
 
-        stop = sorted({i for i in (self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>"),
-                                   self.tok.convert_tokens_to_ids("<|endoftext|>"))
-                       if isinstance(i, int) and i != self.tok.unk_token_id})
         greedy = sampling.greedy
         # processed log-probs = log softmax(logits / T) when top-p / top-k are off: the trainer's convention
         return VSP(n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-                   top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, stop_token_ids=stop,
+                   top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_ids,
                    logprobs=0, seed=seed, detokenize=False)
 
     def _tp_pool(self, rows: list[list[int]], seed: int) -> tuple[list[list[int]], list[int], int]:

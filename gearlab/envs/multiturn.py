@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from gearlab.batch import RolloutBatch
 from gearlab.envs.base import Environment, StepResult
-from gearlab.rollout import global_max_int, HFRolloutEngine, SamplingParams, _left_pad
+from gearlab.distributed import global_max_int
+from gearlab.rollout import HFRolloutEngine, SamplingParams, _left_pad
 from gearlab.tasks.base import Problem, Task
 
 __all__ = ["observation_text", "Episode", "MultiTurnRolloutEngine", "END_REASONS", "encode_demo"]
