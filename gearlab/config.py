@@ -133,6 +133,9 @@ class TrainerConfig:
     # auto = fsdp2 when more than one process in all, else a single device | ddp | fsdp2 | fsdp1 (GPU only)
     strategy: str = "auto"
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (HF gradient checkpointing)
+    # torch.compile each decoder layer for the cache-free forwards (update, log-probs, signals; decoding stays
+    # eager) and the log-prob head chunks: fuses the elementwise work between matmuls (gearlab.compiling)
+    compile: bool = False
     cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state live on CPU (FSDP2 CPUOffloadPolicy)
     precision: str = "32-true"
     output_dir: str = "runs"

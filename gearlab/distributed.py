@@ -43,6 +43,8 @@ def check(cfg: Config) -> None:
         raise ConfigError("key 'trainer.strategy': fsdp1 needs GPUs (PyTorch's FSDP1 does not run on CPU); use fsdp2")
     if cfg.trainer.cpu_offload and s != "fsdp2":
         raise ConfigError(f"key 'trainer.cpu_offload': only with trainer.strategy=fsdp2 (got {s})")
+    if cfg.trainer.compile and s == "fsdp1":
+        raise ConfigError("key 'trainer.compile': not with trainer.strategy=fsdp1 (its flattened parameters); use fsdp2")
     if s in ("ddp", "fsdp2", "fsdp1") and cfg.rollout.prompts_per_step % world_size(cfg):
         raise ConfigError(f"key 'rollout.prompts_per_step': {cfg.rollout.prompts_per_step} is not divisible by the "
                           f"{world_size(cfg)} processes (trainer.devices × trainer.num_nodes)")

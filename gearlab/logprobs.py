@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from gearlab.compiling import compiled_function
 from gearlab.distributed import is_fsdp1
 
 
@@ -101,12 +102,15 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     with_entropy: bool = False,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """log π(y_t) and (optionally) the entropy H_t, chunked over the B·T positions.
 
     hidden [B, T, H], targets [B, T] long → (logprobs [B, T] float32, entropy [B, T] float32 | None).
     Differentiable when ``hidden`` requires grad (the head's logits are recomputed in backward).
+    ``compiled``: each chunk's head matmul, cast, logsumexp and gather run as one torch.compile'd graph.
     """
+    stats = compiled_function(_chunk_stats, compiled)
     B, T, Hd = hidden.shape
     flat_h, flat_y = hidden.reshape(B * T, Hd), targets.reshape(B * T)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
@@ -114,9 +118,9 @@ def token_logprobs(
     for s in range(0, B * T, chunk_size):
         h, y = flat_h[s : s + chunk_size], flat_y[s : s + chunk_size]
         if need_grad:
-            lp, ent = checkpoint(_chunk_stats, h, head, y, temperature, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(stats, h, head, y, temperature, with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_stats(h, head, y, temperature, with_entropy)
+            lp, ent = stats(h, head, y, temperature, with_entropy)
         lps.append(lp)
         ents.append(ent)
     logp = torch.cat(lps).view(B, T) if lps else hidden.new_zeros(B, T, dtype=torch.float32)
@@ -124,22 +128,28 @@ def token_logprobs(
     return logp, ent_out
 
 
+def _chunk_kl(hs: Tensor, ht: Tensor, head: nn.Module, thead: nn.Module, temperature: float) -> Tensor:
+    ls = F.log_softmax(head(hs).float() / temperature, dim=-1)
+    lt = F.log_softmax(thead(ht).float() / temperature, dim=-1)
+    return (ls.exp() * (ls - lt)).sum(-1)
+
+
 @torch.no_grad()
 def token_kl(student_hidden: Tensor, teacher_hidden: Tensor, head: nn.Module, *, temperature: float = 1.0,
-             chunk_size: int = 256, teacher_head: nn.Module | None = None) -> Tensor:
+             chunk_size: int = 256, teacher_head: nn.Module | None = None, compiled: bool = False) -> Tensor:
     """Full-vocabulary reverse KL(π_S ‖ π_T) at every position, in chunks, without gradient.
 
     student_hidden, teacher_hidden [B, T, H] (aligned on the same response tokens) → [B, T] float32, nats.
     ``teacher_head``: the teacher's LM head when its weights differ (frozen / EMA teacher); default ``head``.
+    ``compiled``: each chunk's two heads and the KL run as one torch.compile'd graph.
     """
     thead = head if teacher_head is None else teacher_head
+    kl = compiled_function(_chunk_kl, compiled)
     B, T, Hd = student_hidden.shape
     hs, ht = student_hidden.reshape(B * T, Hd), teacher_hidden.reshape(B * T, Hd)
     out = []
     for s in range(0, B * T, chunk_size):
-        ls = F.log_softmax(head(hs[s : s + chunk_size]).float() / temperature, dim=-1)
-        lt = F.log_softmax(thead(ht[s : s + chunk_size]).float() / temperature, dim=-1)
-        out.append((ls.exp() * (ls - lt)).sum(-1))
+        out.append(kl(hs[s : s + chunk_size], ht[s : s + chunk_size], head, thead, temperature))
     return torch.cat(out).view(B, T) if out else student_hidden.new_zeros(B, T, dtype=torch.float32)
 
 

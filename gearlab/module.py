@@ -53,12 +53,12 @@ class GRPOModule(L.LightningModule):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
             self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
                                               chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size,
-                                              packed=cfg.algorithm.packed)
+                                              packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
         self.engine = engine_from_config(tokenizer, task, cfg, training=True)
         self.generator = self.engine.generator  # None: HF generate on the policy; else e.g. a colocated vLLM engine
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                                       micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer,
-                                      packed=cfg.algorithm.packed)
+                                      packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
         self.teacher = Teacher(policy, assigner)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
@@ -70,7 +70,14 @@ class GRPOModule(L.LightningModule):
     # -- Lightning plumbing -------------------------------------------------------------------
     def configure_model(self) -> None:
         """FSDP2 (``ModelParallelStrategy``): shard the policy and any frozen copy (reference, teacher)
-        over the data-parallel mesh. Called by Lightning once per process, before the optimizers."""
+        over the data-parallel mesh; FSDP1: wrap them; ``trainer.compile``: compile their decoder layers.
+        Called by Lightning once per process, before the optimizers."""
+        if self.cfg.trainer.compile:  # after the copies were made (a deepcopy would share compiled methods)
+            from gearlab.compiling import compile_decoder_layers
+
+            for m in (self.policy, self.ref_policy, self.teacher.copy):
+                if m is not None:
+                    compile_decoder_layers(m)
         if getattr(self, "_sharded", False):
             return
         from lightning.pytorch.strategies import FSDPStrategy
@@ -244,7 +251,7 @@ class GRPOModule(L.LightningModule):
                                  packed=alg.packed)
         logp, ent = token_logprobs(hidden, self.policy.get_output_embeddings(), mb.response_ids,
                                    temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
-                                   with_entropy=alg.entropy_coef > 0)
+                                   with_entropy=alg.entropy_coef > 0, compiled=self.cfg.trainer.compile)
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
         is_w, mismatch = None, {}
         if mb.rollout_logprobs is not None:  # sampled by another engine (vLLM): its log-probs vs the trainer's

@@ -75,8 +75,9 @@ class SignalProvider:
     """
 
     def __init__(self, model: nn.Module, *, temperature: float, chunk_size: int = 256, micro_batch_size: int = 16,
-                 tokenizer: Any = None, packed: bool = False) -> None:
+                 tokenizer: Any = None, packed: bool = False, compiled: bool = False) -> None:
         self.model = model
+        self.compiled = compiled  # the log-prob / KL head chunks through torch.compile (trainer.compile)
         self.packed = packed  # padding-free forwards (gearlab.logprobs.response_hidden)
         self.temperature = temperature
         self.chunk_size = chunk_size
@@ -142,7 +143,7 @@ class SignalProvider:
             m.eval()
         head, thead = self.model.get_output_embeddings(), tmodel.get_output_embeddings()
         out: dict[Any, list[Tensor]] = {}
-        kw = dict(temperature=self.temperature, chunk_size=self.chunk_size)
+        kw = dict(temperature=self.temperature, chunk_size=self.chunk_size, compiled=self.compiled)
         try:
             for mb in self._micro(batch):
                 hs = self._hidden(self.model, mb, teacher=False)

@@ -12,7 +12,8 @@ Reported: seconds per iteration (median of iterations 2..n) and, for gearlab, th
 
 ``--variants`` picks the runs (all in one process, same card): ``gearlab`` (eager HF decoding, dynamic KV
 cache), ``gearlab_static`` (``rollout.static_cache=true``: a static KV cache that transformers compiles),
-``trl`` (TRL's defaults) and ``trl_static`` (TRL with ``cache_implementation="static"`` plus its
+``gearlab_static_compiled`` (the same plus ``trainer.compile=true``: compiled decoder layers and
+log-prob head for the training forwards), ``trl`` (TRL's defaults) and ``trl_static`` (TRL with ``cache_implementation="static"`` plus its
 generation config's ``disable_compile`` switched off after construction — not a TRL option, the tuning
 gpu-notes.md measured). Iteration 1 (compilation) is excluded by the median.
 """
@@ -139,7 +140,7 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False) -> dic
     return {"s_per_iter_all": [round(t, 2) for t in times], "s_per_iter": round(statistics.median(times[1:]), 2)}
 
 
-def run_gearlab(model_dir: Path, iters: int, static: bool = False) -> dict:
+def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: bool = False) -> dict:
     import lightning as L
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -154,7 +155,7 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False) -> dict:
                        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.max_new_tokens={NEW}",
                        "rollout.batch_size=128", "algorithm.micro_batch_size=8", "trainer.activation_checkpointing=true",
                        "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={iters}",
-                       f"rollout.static_cache={static}"])
+                       f"rollout.static_cache={static}", f"trainer.compile={compiled}"])
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -183,14 +184,14 @@ def main() -> None:
            f"Qwen3-0.6B shape, random bf16 weights, {PROMPTS} prompts x {G}, {PROMPT_LEN}-token prompts, {NEW} new tokens"}
     for v in a.variants.split(","):
         if v.startswith("gearlab"):
-            res[v] = run_gearlab(model_dir, a.iters, static=v.endswith("_static"))
+            res[v] = run_gearlab(model_dir, a.iters, static="_static" in v, compiled=v.endswith("_compiled"))
         else:
             import trl
 
             res["trl_version"] = trl.__version__
             res[v] = run_trl(model_dir, a.iters, work / v, static=v.endswith("_static"))
         print(json.dumps(res), flush=True)
-    for g in ("gearlab", "gearlab_static"):
+    for g in ("gearlab", "gearlab_static", "gearlab_static_compiled"):
         for t in ("trl", "trl_static"):
             if g in res and t in res:
                 res[f"speedup_{g}_over_{t}"] = round(res[t]["s_per_iter"] / res[g]["s_per_iter"], 2)

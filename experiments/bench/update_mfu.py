@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--chunk-size", type=int, default=1024, help="positions per chunk of the log-prob head")
     ap.add_argument("--cpu-offload", type=int, default=0, help="FSDP2 CPU offload of parameters, grads, optimizer state")
+    ap.add_argument("--compile", type=int, default=0, help="trainer.compile: compiled decoder layers and head chunks")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -76,7 +77,7 @@ def main() -> None:
                        f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", f"trainer.activation_checkpointing={bool(a.checkpointing)}",
                        f"algorithm.micro_batch_size={a.micro_batch}", f"rollout.prompts_per_step={a.prompts}",
                        f"rollout.group_size={G}", "model.dtype=float32", f"signals.chunk_size={a.chunk_size}",
-                       f"trainer.cpu_offload={bool(a.cpu_offload)}"])
+                       f"trainer.cpu_offload={bool(a.cpu_offload)}", f"trainer.compile={bool(a.compile)}"])
     torch.manual_seed(0)
     mcfg = Qwen3Config(vocab_size=V, max_position_embeddings=8192, rope_theta=1e6, **SHAPES[a.shape])
     mcfg._attn_implementation = "sdpa"
@@ -127,7 +128,7 @@ def main() -> None:
         t = sorted(module.times[1:])[len(module.times[1:]) // 2]  # median after warm-up
         tokens = B * S  # every position is a forward/backward position (prompt + response)
         res = {"shape": a.shape, "params": n_total, "devices": a.devices, "sequences": B, "seq_len": S,
-               "micro_batch": a.micro_batch, "cpu_offload": bool(a.cpu_offload), "activation_checkpointing": bool(a.checkpointing), "chunk_size": a.chunk_size,
+               "micro_batch": a.micro_batch, "cpu_offload": bool(a.cpu_offload), "compile": bool(a.compile), "activation_checkpointing": bool(a.checkpointing), "chunk_size": a.chunk_size,
                "update_s_median": round(t, 3), "update_s_all": [round(x, 3) for x in module.times],
                "tokens_per_s": round(tokens / t), "tokens_per_s_per_gpu": round(tokens / t / a.devices),
                "mfu": round(flops_per_token * tokens / t / (a.devices * PEAK_BF16), 4) if gpu else None,

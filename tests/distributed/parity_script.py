@@ -68,7 +68,9 @@ class ParityModule(GRPOModule):
         # each rank's loss carries a factor dp_size (gradients are AVERAGED over ranks): the objective is the mean
         loss = self._global_sum(torch.stack(self.losses).sum()) / self.trainer.world_size
         if self.trainer.is_global_zero:
-            torch.save({"loss": loss.item(), "grads": grads}, sys.argv[1])
+            from torch._dynamo.utils import counters
+
+            torch.save({"loss": loss.item(), "grads": grads, "dynamo_frames": counters["frames"]["total"]}, sys.argv[1])
 
 
 def _fsdp1_full_grads(root) -> dict:
@@ -104,7 +106,8 @@ def main() -> None:
                        f"algorithm.agg={agg}", f"algorithm.micro_batch_size={mbs}", "algorithm.entropy_coef=0.01",
                        "rollout.prompts_per_step=2", "rollout.group_size=4", "algorithm.clip_high=0.28",
                        f"algorithm.packed={packed}",
-                       f"algorithm.micro_batch_tokens={os.environ.get('PARITY_MICRO_BATCH_TOKENS', '0')}"])
+                       f"algorithm.micro_batch_tokens={os.environ.get('PARITY_MICRO_BATCH_TOKENS', '0')}",
+                       f"trainer.compile={os.environ.get('PARITY_COMPILE', '0') == '1'}"])
     tok = build_tokenizer()
     torch.manual_seed(0)
     model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

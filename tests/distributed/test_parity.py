@@ -13,10 +13,11 @@ import torch
 SCRIPT = Path(__file__).with_name("parity_script.py")
 
 
-def _run(tmp_path: Path, devices: int, strategy: str, agg: str, mbs: int, packed: bool = False, mb_tokens: int = 0) -> dict:
-    out = tmp_path / f"{devices}-{strategy}-{agg}-{mbs}-{packed}-{mb_tokens}.pt"
+def _run(tmp_path: Path, devices: int, strategy: str, agg: str, mbs: int, packed: bool = False, mb_tokens: int = 0,
+         compiled: bool = False) -> dict:
+    out = tmp_path / f"{devices}-{strategy}-{agg}-{mbs}-{packed}-{mb_tokens}-{compiled}.pt"
     extra = ["cpu", "packed"] if packed else []
-    env = {**os.environ, "PARITY_MICRO_BATCH_TOKENS": str(mb_tokens)}
+    env = {**os.environ, "PARITY_MICRO_BATCH_TOKENS": str(mb_tokens), "PARITY_COMPILE": str(int(compiled))}
     r = subprocess.run([sys.executable, str(SCRIPT), str(out), str(devices), strategy, agg, str(mbs), *extra],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -41,6 +42,17 @@ def test_packed_two_processes_match_padded_one(tmp_path):
     rank 0, 2 on rank 1, padded with an empty one) ≡ the padded batch in one micro-batch on one process."""
     ref = _run(tmp_path, 1, "auto", "token-mean", 8)
     got = _run(tmp_path, 2, "fsdp2", "token-mean", 8, packed=True, mb_tokens=20)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    for k, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-7, msg=k)
+
+
+def test_compiled_two_processes_match_eager_one(tmp_path):
+    """trainer.compile=true under FSDP2 on 2 ranks (compiled layers inside fully_shard's hooks, compiled head
+    chunks) ≡ the eager model on one process."""
+    ref = _run(tmp_path, 1, "auto", "token-mean", 8)
+    got = _run(tmp_path, 2, "fsdp2", "token-mean", 3, compiled=True)
+    assert got["dynamo_frames"] > 0 and ref["dynamo_frames"] == 0  # the compiled path ran (and only there)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     for k, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-7, msg=k)
