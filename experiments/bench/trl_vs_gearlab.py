@@ -12,10 +12,10 @@ Reported: seconds per iteration (median of iterations 2..n) and, for gearlab, th
 
 ``--variants`` picks the runs (all in one process, same card): ``gearlab`` (eager HF decoding, dynamic KV
 cache), ``gearlab_static`` (``rollout.static_cache=true``: a static KV cache that transformers compiles),
-``gearlab_static_compiled`` (the same plus ``trainer.compile=true``: compiled decoder layers and
-log-prob head for the training forwards), ``trl`` (TRL's defaults) and ``trl_static`` (TRL with ``cache_implementation="static"`` plus its
-generation config's ``disable_compile`` switched off after construction — not a TRL option, the tuning
-gpu-notes.md measured). Iteration 1 (compilation) is excluded by the median.
+``gearlab_static_compiled`` (the same plus ``trainer.compile=true``: compiled decoder layers and log-prob
+head for the training forwards), ``trl`` (TRL's defaults) and ``trl_static`` (TRL with
+``cache_implementation="static"`` plus its generation config's ``disable_compile`` switched off after
+construction — not a TRL option, the tuning gpu-notes.md measured). Iteration 1 (compilation) is excluded by the median.
 """
 from __future__ import annotations
 
