@@ -31,10 +31,13 @@ def _loss_and_grads(model, ids, mask, resp, P, T, compiled, packed=False):
     return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_compiled_layers_and_head_match_eager_values_and_gradients(tiny_model_factory, packed):
+@pytest.mark.parametrize("packed,checkpointing", [(False, False), (True, False), (False, True)])
+def test_compiled_layers_and_head_match_eager_values_and_gradients(tiny_model_factory, packed, checkpointing):
     eager = tiny_model_factory(0)
     comp = copy.deepcopy(eager)
+    if checkpointing:  # the recipes' setting: HF recomputes each (compiled) layer in backward
+        comp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        comp.train()  # HF checkpoints only in training mode (no dropout in these models)
     keys = list(comp.state_dict())
     assert compile_decoder_layers(comp) == eager.config.num_hidden_layers
     assert is_compiled(comp) and not is_compiled(eager)
