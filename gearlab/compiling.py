@@ -12,7 +12,11 @@ FSDP2's hooks stay outside the compiled region, and checkpoints, export and vLLM
 same names. FSDP1 flattens parameters and is refused with compile (config validation).
 
 Shapes vary per micro-batch (rows, response length): the first change of shape recompiles once with
-dynamic sizes (``dynamic=None``); after that no recompilation.
+dynamic sizes (``dynamic=None``). Other guards add variants of the same graph: grad mode (update vs log-prob
+and signal passes), train/eval mode, an attention mask or none (transformers drops it when nothing is padded),
+flags such as ``with_entropy``. A GEAR run with a reference copy reaches ~10 within its first iterations, over
+Dynamo's default limit of 8 per function, past which it silently runs eager; the limit is raised to
+``RECOMPILE_LIMIT`` (tested: no limit hit and no new compilation after the first iterations).
 """
 from __future__ import annotations
 
@@ -26,6 +30,15 @@ from gearlab.distributed import decoder_layers
 
 # the KV cache's keyword across transformers versions (4.x: past_key_value; 5.0–5.2x: past_key_values; later: cache)
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
+
+
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
+    setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
 
 
 def _dispatching_forward(eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,6 +57,7 @@ def compile_decoder_layers(model: nn.Module, *, backend: str = "inductor") -> in
     Idempotent; returns the number of layers compiled by this call. Call it after any ``deepcopy`` of the
     model (a copy would share the original's compiled bound methods).
     """
+    _raise_recompile_limit()
     n = 0
     for layer in decoder_layers(model):
         if getattr(layer.forward, "__gearlab_compiled__", False):
@@ -62,6 +76,7 @@ def compiled_function(fn: Callable[..., Any], enabled: bool = True) -> Callable[
     if not enabled:
         return fn
     if fn not in _FUNCTIONS:
+        _raise_recompile_limit()
         _FUNCTIONS[fn] = torch.compile(fn, dynamic=None)
     return _FUNCTIONS[fn]
 

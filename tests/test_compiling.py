@@ -113,3 +113,38 @@ def test_compile_with_fsdp1_is_refused():
     cfg = load_config(["trainer.compile=true", "trainer.strategy=fsdp1", "trainer.accelerator=gpu", "trainer.devices=2"])
     with pytest.raises(ConfigError, match="trainer.compile.*fsdp1"):
         check(cfg)
+
+
+@pytest.mark.parametrize("limit", [None, 8])
+def test_every_forward_variant_of_a_run_gets_compiled(tiny_model_factory, monkeypatch, limit):
+    """A run calls the layers with grad on/off, in train/eval mode, with and without an attention mask and at
+    varying shapes: more guard variants than Dynamo's default limit of 8, past which it silently runs eager.
+    The raised limit compiles them all (limit=8 shows the test can fail)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import gearlab.compiling as compiling
+
+    torch._dynamo.reset()
+    if limit is not None:
+        monkeypatch.setattr(compiling, "RECOMPILE_LIMIT", limit)
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
+    model = tiny_model_factory(0)
+    compile_decoder_layers(model)
+    counters.clear()
+    V = model.config.vocab_size
+    for rows, length in [(3, 8), (4, 11)]:
+        for grad in (True, False):
+            for training in (True, False):
+                for padded in (True, False):
+                    ids = torch.randint(5, V, (rows, length))
+                    mask = torch.ones_like(ids)
+                    mask[0, :2] = 0 if padded else 1
+                    model.train(training)
+                    with torch.set_grad_enabled(grad):
+                        response_hidden(model, ids, mask, 4, length - 4)
+    graphs = counters["stats"]["unique_graphs"]
+    if limit is None:
+        assert graphs > 8  # every variant compiled
+    else:
+        assert graphs <= 8  # the default limit stops compiling: what the raised limit prevents
