@@ -179,6 +179,10 @@ class GRPOModule(L.LightningModule):
             upd.update(self.generator.stats())
         t3 = time.perf_counter()
         upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
+        if cfg.trainer.compile:  # graphs compiled so far by this process: still growing late in a run = recompiling
+            from torch._dynamo.utils import counters
+
+            upd["compile/graphs_total"] = float(counters["stats"]["unique_graphs"])
         self.iterations_done = it + 1
         self.session_iterations = getattr(self, "session_iterations", 0) + 1
         if 0 < cfg.trainer.stop_after <= self.session_iterations and self.iterations_done < cfg.trainer.max_steps:

@@ -98,6 +98,11 @@ def test_training_with_compile_matches_eager(tmp_path, tiny_model_dir):
     counters.clear()
     comp = run("compiled", "trainer.compile=true")
     assert counters["frames"]["total"] > 0  # the compiled path did run
+    import mlflow
+
+    run = mlflow.MlflowClient(comp.tracking_uri).get_run(comp.mlflow_run_id)
+    assert run.data.metrics["compile/graphs_total"] > 0 and "compile/graphs_total" not in \
+        mlflow.MlflowClient(eager.tracking_uri).get_run(eager.mlflow_run_id).data.metrics
     a = AutoModelForCausalLM.from_pretrained(eager.run_dir / "final").state_dict()
     b = AutoModelForCausalLM.from_pretrained(comp.run_dir / "final").state_dict()
     init = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
