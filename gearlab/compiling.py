@@ -16,7 +16,7 @@ dynamic sizes (``dynamic=None``). Other guards add variants of the same graph: g
 and signal passes), train/eval mode, an attention mask or none (transformers drops it when nothing is padded),
 flags such as ``with_entropy``. A GEAR run with a reference copy reaches ~10 within its first iterations, over
 Dynamo's default limit of 8 per function, past which it silently runs eager; the limit is raised to
-``RECOMPILE_LIMIT`` (tested: no limit hit and no new compilation after the first iterations).
+``RECOMPILE_LIMIT`` (tested: 16 variants all compile; an 8-iteration CPU run compiled only in its first).
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from gearlab.distributed import decoder_layers
 
 # the KV cache's keyword across transformers versions (4.x: past_key_value; 5.0–5.2x: past_key_values; later: cache)
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
-
-
 RECOMPILE_LIMIT = 64
 
 
