@@ -49,7 +49,7 @@ def _dispatching_forward(eager: Callable[..., Any], compiled: Callable[..., Any]
     return forward
 
 
-def compile_decoder_layers(model: nn.Module, *, backend: str = "inductor") -> int:
+def compile_decoder_layers(model: nn.Module) -> int:
     """Replace each decoder layer's ``forward`` of an HF causal LM by a compiled one for cache-free calls.
 
     Idempotent; returns the number of layers compiled by this call. Call it after any ``deepcopy`` of the
@@ -61,7 +61,7 @@ def compile_decoder_layers(model: nn.Module, *, backend: str = "inductor") -> in
         if getattr(layer.forward, "__gearlab_compiled__", False):
             continue
         eager = layer.forward  # the bound method of the class
-        layer.forward = _dispatching_forward(eager, torch.compile(eager, backend=backend, dynamic=None))
+        layer.forward = _dispatching_forward(eager, torch.compile(eager, dynamic=None))
         n += 1
     return n
 
