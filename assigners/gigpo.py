@@ -53,7 +53,7 @@ from typing import Any, Hashable, Optional
 import torch
 from torch import Tensor
 
-from assigners.mt_grpo import per_token, require_multi_turn, turn_layout
+from .mt_grpo import per_token, require_multi_turn, turn_layout
 from gearlab.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
 from gearlab.grpo import group_advantages

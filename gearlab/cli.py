@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             from gearlab.compare import compare
 
             base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name="))]
-            return 1 if compare(cfg, base)["failed"] else 0
+            res = compare(cfg, base)
+            print(compare_summary(cfg))
+            return 1 if res["failed"] else 0
         return commands[cmd](cfg)
     except ConfigError as e:
         print(f"gearlab: error: {e}", file=sys.stderr)
@@ -114,8 +116,15 @@ def _quiet() -> None:
     for pattern in (".*transfer_batch_to_device.*", ".*LeafSpec.*", ".*module\\(s\\) in eval mode.*",
                     ".*does not have many workers.*", ".*is not resumable.*"):
         warnings.filterwarnings("ignore", message=pattern)
-    for name in ("lightning.pytorch", "lightning.fabric", "mlflow.store.db.utils", "alembic"):
+    # Lightning sets its loggers to INFO and adds a handler when imported: import it first, then quiet it
+    # (device lines, "Tip: try litlogger", "weights_only was not set"). gearlab's own warnings stay.
+    import lightning.pytorch  # noqa: F401
+
+    for name in ("lightning.pytorch", "lightning.fabric", "mlflow.store.db.utils", "alembic", "mlflow"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("lightning.pytorch").propagate = False  # it has its own handler; the root's would repeat it
+    # kept: each process's "Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/world" line (multi-process runs)
+    logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.INFO)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging
@@ -126,6 +135,37 @@ def _quiet() -> None:
         pass
 
 
+def mlflow_ui_command(uri: str) -> str:
+    """How to look at a tracking store: the ``mlflow ui`` line for a local SQLite file (path shown relative to
+    the current directory when it is below it), else the server's address."""
+    if uri.startswith("sqlite:///"):
+        from pathlib import Path
+
+        p = Path(uri[len("sqlite:///"):])
+        try:
+            p = p.relative_to(Path.cwd())
+        except ValueError:
+            pass
+        return f"mlflow ui --backend-store-uri sqlite:///{p}"
+    return f"open {uri} in a browser"
+
+
+def compare_summary(cfg) -> str:
+    """The closing lines of ``gearlab compare``: where the runs are and the commands to look at them."""
+    from pathlib import Path
+
+    from gearlab.tracking import tracking_uri
+
+    name, base, seed = cfg.compare.name, cfg.compare.baseline, cfg.compare.seeds[0]
+    model = Path(cfg.trainer.output_dir) / name / f"{base}-s{seed}" / "final"
+    return "\n".join([
+        f"runs: {Path(cfg.trainer.output_dir) / name}/<method>-s<seed>/ (each with its trained model in final/)",
+        f"look at them: {mlflow_ui_command(tracking_uri(cfg))}  (experiment compare/{name})",
+        f"see credit on one batch: gearlab inspect model.name_or_path={model}",
+        f"rebuild the report from MLflow alone: gearlab report {name}",
+    ])
+
+
 def _train(cfg) -> int:
     from gearlab.train import train
 
@@ -133,9 +173,38 @@ def _train(cfg) -> int:
     m = res.metrics
     if not res.mlflow_run_id:  # not global rank 0 of a multi-process run: rank 0 reports
         return 0
-    print(f"run: {res.run_dir}  mlflow run {res.mlflow_run_id} at {res.tracking_uri}")
-    print("last iteration: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(m.items()) if k.startswith("train/")))
+    print(train_summary(res, sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train"]))
     return 0
+
+
+def train_summary(res, argv: list[str]) -> str:
+    """The closing lines of ``gearlab train``: where it stopped, the final held-out numbers, where the run is and
+    the commands to look at it."""
+    import shlex
+
+    m, rdir = res.metrics, res.run_dir
+    lines = [""]
+    if res.stopped_early:
+        why = "interrupted" if res.interrupted else "stopped (trainer.stop_after)"
+        lines.append(f"{why} after {res.iterations_done} of {res.max_steps} iterations; the checkpoint is "
+                     f"{rdir / 'checkpoints' / 'last.ckpt'}")
+        lines.append(f"resume (same MLflow run, exact): gearlab {shlex.join(argv)}")
+    else:
+        lines.append(f"done: {res.iterations_done} iterations")
+        ev = {k: v for k, v in m.items() if k.startswith("eval/")}
+        if ev:
+            shown = ", ".join(f"{k[5:]} {100 * v:.1f}%" for k, v in sorted(ev.items())
+                              if k[5:] in ("greedy_accuracy",) or k[5:].startswith(("avg@", "pass@")))
+            lines.append(f"final held-out evaluation: {shown}")
+        lines.append(f"trained model: {rdir / 'final'}")
+    last = {k: v for k, v in m.items() if k in ("train/reward", "train/accuracy")}
+    if last:
+        lines.append("last iteration: " + ", ".join(f"{k[6:]} {v:.3f}" for k, v in sorted(last.items())))
+    lines.append(f"run folder: {rdir}   MLflow run {res.mlflow_run_id}")
+    lines.append(f"look at it: {mlflow_ui_command(res.tracking_uri)}")
+    if not res.stopped_early:
+        lines.append(f"see its credit on one batch: gearlab inspect model.name_or_path={rdir / 'final'}")
+    return "\n".join(lines)
 
 
 def _warmstart(cfg) -> int:

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from gearlab import credit
 from gearlab.config import Config, ConfigError, flatten, load_config
-from gearlab.tracking import git_sha, tracking_uri
+from gearlab.tracking import ensure_experiment, git_sha, record_versions, tracking_uri, version_tags
 
 
 @dataclass
@@ -92,19 +92,20 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
             run_warmstart(cfg)
         model_path = str(d.resolve())
     client = mlflow.MlflowClient(tracking_uri(cfg))
-    exp = client.get_experiment_by_name(experiment_name(cfg))
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment_name(cfg))
+    exp_id = ensure_experiment(tracking_uri(cfg), experiment_name(cfg), client)
     parent, done = find_runs(client, exp_id, cfg.compare.name)
     if parent is None:
         parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
             "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
-            "assigners": ",".join(names), "seeds": ",".join(map(str, cfg.compare.seeds)), "baseline": cfg.compare.baseline})
+            "assigners": ",".join(names), "seeds": ",".join(map(str, cfg.compare.seeds)), "baseline": cfg.compare.baseline,
+            **version_tags()})
         params = {k: str(v)[:6000] for k, v in flatten(cfg).items() if not k.startswith("assigner.")}
         for k, v in params.items():
             client.log_param(parent.info.run_id, k, v)
         client.log_text(parent.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
     else:
         client.update_run(parent.info.run_id, status="RUNNING")
+        record_versions(client, parent.info.run_id)  # a changed version is kept as "old -> new"
     pid = parent.info.run_id
     children = plan(cfg, base_overrides, model_path, pid)
     todo = [c for c in children if not (c.assigner, c.seed) in done
@@ -132,7 +133,8 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
             except Exception as e:  # a crashed child is recorded and the comparison goes on
                 finish(c, False, time.time() - t0, f"{type(e).__name__}: {e}")
     else:
-        threads = max(1, (os.cpu_count() or 1) // cfg.compare.workers)
+        # fixed by the config when given (results then do not depend on the machine's core count)
+        threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // cfg.compare.workers)
 
         def work(c: Child) -> None:
             t0 = time.time()
@@ -161,7 +163,7 @@ def _run_in_process(c: Child) -> None:
 def _run_subprocess(c: Child, threads: int) -> tuple[bool, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *c.overrides,
-                          "trainer.progress_bar=false"], capture_output=True, text=True, env=env)
+                          "trainer.progress_bar=false", f"trainer.threads={threads}"], capture_output=True, text=True, env=env)
     return out.returncode == 0, out.stderr[-4000:]
 
 

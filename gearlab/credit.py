@@ -126,7 +126,7 @@ def _load_plugins() -> None:
     if _PLUGINS_LOADED:
         return
     _PLUGINS_LOADED = True
-    importlib.import_module("assigners")
+    importlib.import_module("gearlab.assigners")
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         ep.load()
 

@@ -35,10 +35,12 @@ def policy_state_from_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
 def export(cfg: Config) -> Path:
     """Write ``export.out`` from ``export.checkpoint``; the architecture and tokenizer come from
     ``model.name_or_path`` (the model the run started from)."""
-    from gearlab.train import load_policy
+    from gearlab.train import check_model_folder, load_policy
 
     if not cfg.export.checkpoint or not cfg.export.out:
         raise ConfigError("gearlab export needs export.checkpoint=PATH and export.out=DIR")
+    if not cfg.model.name_or_path.startswith("embedded:"):
+        check_model_folder(cfg.model.name_or_path)  # before the (possibly large) checkpoint is read
     state = policy_state_from_checkpoint(cfg.export.checkpoint)
     model, tok, _ = load_policy(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)

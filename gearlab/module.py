@@ -63,6 +63,7 @@ class GRPOModule(L.LightningModule):
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         self.iterations_done = 0
+        self.interrupted = False  # set by a signal handler (gearlab.train.graceful_stop): stop at the next boundary
         self.nonfinite_streak = 0
         self.totals = {"nonfinite_steps": 0, "reward_errors": 0, "generated_tokens": 0}
         self.m_reward, self.m_acc, self.m_pass = MeanMetric(), MeanMetric(), MeanMetric()
@@ -185,7 +186,10 @@ class GRPOModule(L.LightningModule):
             upd["compile/graphs_total"] = float(counters["stats"]["unique_graphs"])
         self.iterations_done = it + 1
         self.session_iterations = getattr(self, "session_iterations", 0) + 1
-        if 0 < cfg.trainer.stop_after <= self.session_iterations and self.iterations_done < cfg.trainer.max_steps:
+        # a stop request (trainer.stop_after, or Ctrl-C / SIGTERM caught by gearlab.train) ends the run at this
+        # iteration boundary; every rank must agree, or the ranks' collectives would no longer match
+        stop = 0 < cfg.trainer.stop_after <= self.session_iterations or self.interrupted
+        if global_max_int(int(stop), self.device) and self.iterations_done < cfg.trainer.max_steps:
             self.stopped_early = True
             self.trainer.should_stop = True  # after this iteration's checkpoint (IterationCheckpoint saves it)
         self.assigner.on_step_end(self.iterations_done)

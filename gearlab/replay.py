@@ -83,7 +83,7 @@ def credit_stats(rb: RolloutBatch, seq_adv: Tensor, credit_by: dict[str, Tensor]
 def replay(cfg: Config) -> dict[str, Any]:
     from gearlab.evaluate import _load
     from gearlab.inspect import run_assigners
-    from gearlab.tracking import tracking_uri
+    from gearlab.tracking import ensure_experiment, tracking_uri
 
     task = get_task(cfg.task.name, **dict(cfg.task.options))
     path = Path(cfg.replay.rollouts)
@@ -116,8 +116,7 @@ def replay(cfg: Config) -> dict[str, Any]:
     from gearlab.metrics import sanitize_metric_key
 
     client = mlflow.MlflowClient(tracking_uri(cfg))
-    exp = client.get_experiment_by_name("replay")
-    exp_id = exp.experiment_id if exp else client.create_experiment("replay")
+    exp_id = ensure_experiment(tracking_uri(cfg), "replay", client)
     run = client.create_run(exp_id, run_name=path.stem, tags={"rollouts": str(path.resolve()), "model": model_name,
                                                               "task": cfg.task.name, "assigners": ",".join(names)})
     for k, v in stats.items():

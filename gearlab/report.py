@@ -3,8 +3,17 @@
 Statistics: per method, the mean over seeds of each run's final value with a two-sided 95%
 Student-t interval (mean ± t_{0.975, n−1}·s/√n, s the unbiased std; no interval when n = 1); the
 paired difference to the baseline over the seeds both finished, with the same t-interval on the
-per-seed differences. n is printed next to every number. Steps to target use the training accuracy
+per-seed differences; the start (the metric's first point, the evaluation before the first iteration, mean over
+seeds) and the paired change from it with the same t-interval — does the method learn at all? n is printed
+next to every number. Steps to target use the training accuracy
 smoothed over a 5-iteration window; a run that never reaches it is reported as such.
+
+Provenance: the finished children's ``versions.*`` tags and ``git_sha`` are compared; a difference is a
+WARNING line under the table (and ``version_mismatch`` in report.json). Runs without the tags (made
+before gearlab recorded them) count as "unknown", which alone is no mismatch.
+The headline numbers are also logged on the comparison's parent run, at step 0: ``<method>/final_mean``,
+``<method>/final_ci95``, ``<method>/n``, ``<method>/paired_diff``, ``<method>/paired_ci95``,
+``<method>/paired_n``, ``<method>/s_per_iter``, ``<method>/wall_min`` (a re-built report logs them again).
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ import mlflow
 from mlflow.entities import RunStatus
 
 from gearlab.metrics import sanitize_metric_key
+from gearlab.provenance import TAG_PREFIX
 
 CURVE = "train/accuracy"
 SMOOTH = 5
@@ -33,6 +43,8 @@ class Report:
     plot_path: Path
     rows: list[dict[str, Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    version_mismatch: list[dict[str, Any]] = field(default_factory=list)
 
 
 def t_interval(xs: list[float]) -> tuple[float, float | None]:
@@ -96,6 +108,7 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
     missing = [f"{a}-s{s} ({_status(children, a, s)})" for a in order for s in seeds if (a, s) not in finished]
     key = sanitize_metric_key(metric)
     final: dict[str, dict[int, float]] = {a: {} for a in order}
+    start: dict[str, dict[int, float]] = {a: {} for a in order}  # the metric before training (its first point)
     curves: dict[str, dict[int, list[float]]] = {a: {} for a in order}
     cost: dict[str, list[dict[str, float]]] = {a: [] for a in order}
     reach: dict[str, list[dict[str, float] | None]] = {a: [] for a in order}
@@ -106,6 +119,8 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
         hist = _history(client, r.info.run_id, key)
         if hist:
             final[a][s] = hist[-1][1]
+            if len(hist) > 1 and hist[0][0] == 0:
+                start[a][s] = hist[0][1]
         for k in TOOL_METRICS:
             h = _history(client, r.info.run_id, k)
             if h:
@@ -129,6 +144,11 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
         vals = [final[a][s] for s in sorted(final[a])]
         mean, hw = t_interval(vals)
         row: dict[str, Any] = {"assigner": a, "n": len(vals), "mean": mean, "ci95": hw}
+        # where the seeds started (the evaluation before the first iteration) and the paired change since
+        learned = sorted(set(final[a]) & set(start[a]))
+        sm, _ = t_interval([start[a][s] for s in learned])
+        cm, chw = t_interval([final[a][s] - start[a][s] for s in learned])
+        row.update(start=sm, change=cm, change_ci95=chw, change_n=len(learned))
         if a != baseline:
             common = sorted(set(final[a]) & set(final.get(baseline, {})))
             diffs = [final[a][s] - final[baseline][s] for s in common]
@@ -149,16 +169,79 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
         for row in rows:
             row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tool_final.get(row["assigner"], {}).items()}
         table += "\n\n" + _tool_table(rows)
+    labelled = {f"{a}-s{s}": finished[(a, s)] for a in order for s in sorted(s_ for a_, s_ in finished if a_ == a)}
+    mismatch, unknown = version_mismatch(labelled)
+    warnings = [_mismatch_line(m) for m in mismatch]
+    if unknown:
+        warnings.append("note: no version tags on " + ", ".join(unknown) + " (runs made before gearlab recorded "
+                        "them): their versions are unknown")
+    if warnings:  # the table's footer: printed with it and in report.md
+        table += "\n\n" + "\n".join(warnings)
     plot = out / "curves.png"
     _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric, baseline=baseline)
     md = out / "report.md"
     md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target))
     (out / "report.json").write_text(json.dumps({"comparison": comparison, "metric": metric, "baseline": baseline,
-                                                 "rows": rows, "missing": missing}, indent=2, default=str))
+                                                 "rows": rows, "missing": missing, "version_mismatch": mismatch,
+                                                 "versions_unknown": unknown}, indent=2, default=str))
     if log_to_parent and parent is not None:
         for f in (md, plot, out / "report.json"):
             client.log_artifact(parent.info.run_id, str(f), "report")
-    return Report(table, md, plot, rows, missing)
+        log_headline(client, parent.info.run_id, rows)
+    return Report(table, md, plot, rows, missing, warnings, mismatch)
+
+
+def parent_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The headline numbers of each method as MLflow-safe metric names (``<method>/final_mean`` …); a number
+    that does not exist (no interval with one seed, no paired difference for the baseline) is left out."""
+    out: dict[str, float] = {}
+    for r in rows:
+        for name, k in (("final_mean", "mean"), ("final_ci95", "ci95"), ("n", "n"), ("paired_diff", "diff"),
+                        ("paired_ci95", "diff_ci95"), ("paired_n", "diff_n"), ("s_per_iter", "s_per_iter"),
+                        ("wall_min", "wall_min")):
+            v = r.get(k)
+            if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
+                out[sanitize_metric_key(f"{r['assigner']}/{name}")] = float(v)
+    return out
+
+
+def log_headline(client: mlflow.MlflowClient, run_id: str, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Log :func:`parent_metrics` on the parent run at step 0 (a re-built report's values are the latest)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    metrics = parent_metrics(rows)
+    now = int(time.time() * 1000)
+    items = [Metric(k, v, now, 0) for k, v in metrics.items()]
+    for s in range(0, len(items), 1000):
+        client.log_batch(run_id, metrics=items[s: s + 1000])
+    return metrics
+
+
+def version_mismatch(runs: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Compare the ``versions.*`` tags and the git commit of runs ({label: run}). Returns (mismatches, labels of
+    runs without any version tag). A mismatch is ``{"key", "values": {value: [labels]}}`` for a key whose known
+    values differ; runs lacking the key are listed under "unknown" but never make a mismatch by themselves.
+    The git commit is one key, ``git_sha`` (``versions.gearlab`` where recorded, else the ``git_sha`` tag)."""
+    def value(tags: dict[str, str], key: str) -> str:
+        v = (tags.get(TAG_PREFIX + "gearlab") or tags.get("git_sha")) if key == "git_sha" else tags.get(key)
+        return v if v and v != "unknown" else "unknown"
+
+    keys = sorted({k for r in runs.values() for k in r.data.tags if k.startswith(TAG_PREFIX)} - {TAG_PREFIX + "gearlab"})
+    out = []
+    for key in ["git_sha", *keys]:
+        groups: dict[str, list[str]] = {}
+        for label, r in runs.items():
+            groups.setdefault(value(r.data.tags, key), []).append(label)
+        if len(set(groups) - {"unknown"}) > 1:
+            out.append({"key": key, "values": {v: groups[v] for v in sorted(groups, key=lambda v: (v == "unknown", v))}})
+    unknown = [label for label, r in runs.items() if not any(k.startswith(TAG_PREFIX) for k in r.data.tags)]
+    return out, unknown
+
+
+def _mismatch_line(m: dict[str, Any]) -> str:
+    return f"WARNING: runs differ in {m['key']} (" + "; ".join(f"{v}: {', '.join(ls)}" for v, ls in m["values"].items()) + ")"
 
 
 def _status(children: list[Any], a: str, s: int) -> str:
@@ -170,13 +253,16 @@ def _status(children: list[Any], a: str, s: int) -> str:
 
 
 def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float | None, pct: bool) -> str:
-    head = ["method", f"final {metric}" + (" (%)" if pct else ""), f"Δ vs {baseline} (paired)", "s / iter", "wall min", "gen. tokens"]
+    head = ["method", f"final {metric}" + (" (%)" if pct else ""), "start", "change from start",
+            f"Δ vs {baseline} (paired)", "s / iter", "wall min", "gen. tokens"]
     if target is not None:
         head += [f"reached {target:g}", "steps to target", "wall s to target", "tokens to target"]
     lines = [head]
     for r in rows:
         d = "baseline" if r["assigner"] == baseline else _fmt(r.get("diff", float("nan")), r.get("diff_ci95"), r.get("diff_n", 0), pct)
-        line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct), d, f"{r['s_per_iter']:.2f}", f"{r['wall_min']:.1f}",
+        line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct), _fmt(r.get("start", float("nan")), None, 0, pct).split(" (")[0],
+                _fmt(r.get("change", float("nan")), r.get("change_ci95"), r.get("change_n", 0), pct), d,
+                f"{r['s_per_iter']:.2f}", f"{r['wall_min']:.1f}",
                 f"{r['tokens']:.0f}" if r["tokens"] == r["tokens"] else "–"]
         if target is not None:
             line += [r["reached"]] + [f"{r[f'to_target_{k}']:.{1 if k == 'wall_s' else 0}f}"
@@ -214,17 +300,38 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
     if target is not None:
         parts += [f"Steps to target: first iteration where the training accuracy, averaged over a {SMOOTH}-iteration window, "
                   f"reaches {target:g}; averaged over the seeds that reached it.", ""]
-    parts += ["Learning curves: `curves.png` (training accuracy per iteration, mean over seeds with a 95% t band).", ""]
+    parts += ["Learning curves: `curves.png` (training accuracy per iteration, mean over seeds with a 95% t band, "
+              "clipped to [0, 1]).", ""]
     parts += (["Missing runs (not in the statistics): " + ", ".join(missing), ""] if missing else ["All runs finished.", ""])
     return "\n".join(parts)
 
 
-def _band(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+def _bounds(metric: str, values: list[float] | tuple[float, ...] = ()) -> tuple[float, float] | None:
+    """The range a metric's values can take, for clipping its bands; None when unbounded.
+
+    Rule: a metric is accuracy-like, a fraction in [0, 1], when its name contains "accuracy", "avg@" or
+    "pass@" (also as MLflow spells them, avg_at_ / pass_at_), or contains "reward" and every observed value
+    lies in [0, 1] (the 0/1 correctness rewards; a shaped reward outside [0, 1] stays unclipped). A mean ± t
+    band past [0, 1] only shows the normal approximation failing near 0 or 1, so it is clipped there."""
+    name = metric.lower()
+    if any(s in name for s in ("accuracy", "avg@", "pass@", "avg_at_", "pass_at_")):
+        return 0.0, 1.0
+    if "reward" in name and values and all(0.0 <= v <= 1.0 for v in values):
+        return 0.0, 1.0
+    return None
+
+
+def _band(series: list[list[float]], bounds: tuple[float, float] | None = None) -> tuple[list[float], list[float], list[float]]:
+    """(mean, lower, upper) over the series at each step (95% t band), the band clipped to ``bounds``."""
     L = min(len(r) for r in series)
     stats = [t_interval([r[t] for r in series]) for t in range(L)]
     mean = [m for m, _ in stats]
     hw = [h or 0.0 for _, h in stats]
-    return mean, [m - h for m, h in zip(mean, hw)], [m + h for m, h in zip(mean, hw)]
+    lo, hi = [m - h for m, h in zip(mean, hw)], [m + h for m, h in zip(mean, hw)]
+    if bounds is not None:
+        lo = [min(max(v, bounds[0]), bounds[1]) for v in lo]
+        hi = [min(max(v, bounds[0]), bounds[1]) for v in hi]
+    return mean, lo, hi
 
 
 def _plot(curves: dict[str, dict[int, list[float]]], final_points: dict[str, dict[int, float]], path: Path, metric: str,
@@ -238,23 +345,31 @@ def _plot(curves: dict[str, dict[int, list[float]]], final_points: dict[str, dic
 
     fig, (ax, axd, ax2) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [3, 3, 1.3]})
     base = {s: _smooth(v) for s, v in curves.get(baseline, {}).items()}
+    b = _bounds(CURVE, [v for runs in curves.values() for r in runs.values() for v in r])
+    diff_b = (b[0] - b[1], b[1] - b[0]) if b else None  # a difference of two values in [0, 1] lies in [-1, 1]
+    fb = _bounds(metric, [v for pts in final_points.values() for v in pts.values()])
     for i, (a, runs) in enumerate(curves.items()):
         color = f"C{i}"
         if runs:
-            mean, lo, hi = _band([_smooth(r) for r in runs.values()])
+            mean, lo, hi = _band([_smooth(r) for r in runs.values()], b)
             ax.plot(range(len(mean)), mean, color=color, label=f"{a} (n={len(runs)})")
             ax.fill_between(range(len(mean)), lo, hi, color=color, alpha=0.15)
             common = sorted(set(runs) & set(base))
             if a != baseline and common:
                 diffs = [[x - y for x, y in zip(_smooth(runs[s]), base[s])] for s in common]
-                mean, lo, hi = _band(diffs)
+                mean, lo, hi = _band(diffs, diff_b)
                 axd.plot(range(len(mean)), mean, color=color, label=f"{a} − {baseline} (n={len(common)})")
                 axd.fill_between(range(len(mean)), lo, hi, color=color, alpha=0.15)
         pts = list(final_points.get(a, {}).values())
         ax2.scatter([i] * len(pts), pts, color=color, s=14)
         if pts:
             m, h = t_interval(pts)
-            ax2.errorbar([i + 0.2], [m], yerr=[[h or 0], [h or 0]], fmt="o", color=color, capsize=3)
+            down, up = h or 0.0, h or 0.0
+            if fb is not None:
+                down, up = max(0.0, min(down, m - fb[0])), max(0.0, min(up, fb[1] - m))
+            ax2.errorbar([i + 0.2], [m], yerr=[[down], [up]], fmt="o", color=color, capsize=3)
+    ax.set_title(f"training accuracy ({SMOOTH}-iteration mean)\n(line: mean over seeds; band: 95% t)", fontsize=8)
+    axd.set_title(f"paired difference to {baseline}, per seed\n(line: mean over seeds; band: 95% t)", fontsize=8)
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"training accuracy ({SMOOTH}-iteration mean)")
     ax.legend(fontsize=8)

@@ -5,17 +5,21 @@ and assigner (cheap) before a model is loaded or a run is created.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
 from gearlab import credit, distributed
 from gearlab.config import Config, ConfigError, to_yaml
@@ -52,9 +56,8 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
                 gguf_path()
             except ImportError as e:
                 raise ConfigError(f"key 'model.name_or_path': {e}") from None
-    elif ref.startswith((".", "/", "~")) or os.sep in ref and not _looks_like_hub_id(ref):
-        if not Path(ref).expanduser().is_dir():
-            raise ConfigError(f"key 'model.name_or_path': model folder not found: {ref}")
+    else:
+        check_model_folder(ref)
     if cfg.rollout.engine == "vllm":
         from gearlab.vllm_engine import vllm_available
 
@@ -79,6 +82,20 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
     except ValueError as e:
         raise ConfigError(f"assigner {cfg.assigner.name!r} on task {cfg.task.name!r}: {e}") from None
     return task, assigner
+
+
+def check_model_folder(ref: str, key: str = "model.name_or_path") -> None:
+    """A local model reference must be a Hugging Face model folder (with config.json); raises a one-line
+    ConfigError otherwise. Hub ids (``org/name`` with no such local path) pass: they are checked when loaded."""
+    p = Path(ref).expanduser()
+    if not (ref.startswith((".", "/", "~")) or os.sep in ref and not _looks_like_hub_id(ref)) and not p.is_dir():
+        return
+    if not p.is_dir():
+        raise ConfigError(f"key '{key}': model folder not found: {ref}")
+    if not (p / "config.json").is_file():
+        hint = f" (did you mean {p / 'final'}? a run's trained model is in its final/ folder)" \
+            if (p / "final" / "config.json").is_file() else ""
+        raise ConfigError(f"key '{key}': {ref} is not a Hugging Face model folder (no config.json){hint}")
 
 
 def _looks_like_hub_id(ref: str) -> bool:
@@ -115,11 +132,17 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
         path = str(d)
     cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.dtype, torch.bfloat16 if cuda else torch.float32)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    if not ref.startswith("embedded:"):
+        check_model_folder(ref)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:  # e.g. a hub id with no network, or a folder without weights
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ConfigError(f"key 'model.name_or_path': cannot load {ref!r}: {first}") from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     return model, tok, ref
 
 
@@ -131,8 +154,78 @@ def run_warmstart(cfg: Config) -> dict[str, Any]:
     ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
     out = embedded_dir(cfg, ref)
     w = cfg.warmstart
-    return warmstart(out, task=task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.trainer.seed,
-                     max_minutes=w.max_minutes)
+    threads = torch.get_num_threads()
+    if w.threads > 0:
+        torch.set_num_threads(w.threads)
+    try:
+        return warmstart(out, task=task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.trainer.seed,
+                         max_minutes=w.max_minutes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _is_launch_rank_zero() -> bool:
+    """Global rank 0 as the launcher (torchrun, SLURM, Lightning's subprocess launcher) says, before any process
+    group exists."""
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var]) == 0
+    return True
+
+
+@contextlib.contextmanager
+def run_folder_lock(rdir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``rdir/.lock`` for the whole run, so a second ``gearlab train`` with the same run
+    folder refuses at once instead of writing the same checkpoints and opening a second MLflow run. The lock is
+    the kernel's (``flock``): it goes away with the process, however it ends. Only launch rank 0 takes it."""
+    if not _is_launch_rank_zero():
+        yield
+        return
+    import fcntl
+
+    rdir.mkdir(parents=True, exist_ok=True)
+    f = open(rdir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"run folder {rdir} is in use by {holder}: wait for it to finish, or give this run its own "
+                          f"folder with trainer.run_name=NAME") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"gearlab pid {os.getpid()}")
+        f.flush()
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+@contextlib.contextmanager
+def graceful_stop(module: GRPOModule) -> Iterator[None]:
+    """First Ctrl-C (SIGINT) or SIGTERM: finish the current iteration, write its checkpoint and stop, so the same
+    command resumes exactly where it stopped (and MLflow holds one value per iteration). A second Ctrl-C aborts at
+    once. Only installed in the main thread (signal handlers cannot be set elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request(signum, frame) -> None:
+        if module.interrupted and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        module.interrupted = True
+        log.warning("stop requested (%s): finishing this iteration and writing a checkpoint; Ctrl-C again aborts now",
+                    signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 class IterationCheckpoint(Callback):
@@ -206,15 +299,51 @@ class PeriodicEval(Callback):
             self._run(trainer, pl_module)
 
 
+class IterationProgressBar(TQDMProgressBar):
+    """One tick per RL iteration out of ``trainer.max_steps`` (so the bar has a total and an ETA, also after a
+    resume), labelled "train" rather than Lightning's "Epoch 0", showing the iteration's reward."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(refresh_rate=1)
+        self.total = total
+
+    def on_train_epoch_start(self, trainer, pl_module, *_: Any) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        bar = self.train_progress_bar
+        bar.reset(total=self.total)
+        bar.initial = pl_module.iterations_done
+        _update_n(bar, pl_module.iterations_done)
+        bar.set_description("train")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bar = self.train_progress_bar
+        if bar is not None:
+            _update_n(bar, pl_module.iterations_done)
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
+        m = getattr(pl_module, "last_metrics", {}) or {}
+        out = {k.split("/", 1)[1]: f"{m[k]:.3f}" for k in ("train/reward", "train/accuracy") if k in m}
+        ev = getattr(pl_module, "last_eval", {}) or {}
+        if "eval/greedy_accuracy" in ev:
+            out["eval_greedy"] = f"{ev['eval/greedy_accuracy']:.3f}"
+        return out
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
     mlflow_run_id: str
     tracking_uri: str
     metrics: dict[str, float]
+    iterations_done: int = 0
+    max_steps: int = 0
+    stopped_early: bool = False  # trainer.stop_after or Ctrl-C / SIGTERM: the run can be resumed
+    interrupted: bool = False  # Ctrl-C / SIGTERM
 
 
 def train(cfg: Config) -> TrainResult:
+    """Run (or resume) one training run; bad input raises ConfigError before any work."""
     task, assigner = preflight(cfg)
     distributed.check(cfg)
     rdir = run_dir(cfg)
@@ -226,6 +355,14 @@ def train(cfg: Config) -> TrainResult:
         if not Path(cfg.trainer.resume).exists():
             raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
         resume = cfg.trainer.resume
+    with run_folder_lock(rdir):
+        return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume)
+
+
+def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir: Path, ckpt_dir: Path,
+                  resume: str | None) -> TrainResult:
+    if cfg.trainer.threads > 0:
+        torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     model, tok, model_name = load_policy(cfg)
     rdir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +376,7 @@ def train(cfg: Config) -> TrainResult:
     if cfg.eval.num_problems > 0:
         callbacks.insert(0, PeriodicEval(cfg, task))  # before the checkpoint: the last eval lands in the run first
     if cfg.trainer.progress_bar:
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+        callbacks.append(IterationProgressBar(cfg.trainer.max_steps))
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
         strategy=distributed.make_strategy(cfg), precision=cfg.trainer.precision,
@@ -249,15 +386,20 @@ def train(cfg: Config) -> TrainResult:
     )
     if resume:
         log.warning("resuming from %s", resume)
-    trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    with graceful_stop(module):
+        trainer.fit(module, datamodule=dm, ckpt_path=resume)
     if getattr(module, "stopped_early", False):
-        log.warning("stopped after %d iterations (trainer.stop_after); run the same command to resume", module.iterations_done)
+        if module.interrupted:
+            log.warning("interrupted after %d of %d iterations; checkpoint %s — run the same command to resume",
+                        module.iterations_done, cfg.trainer.max_steps, ckpt.last)
+        else:
+            log.warning("stopped after %d iterations (trainer.stop_after); run the same command to resume", module.iterations_done)
         if logger is not None:  # not FINISHED: a comparison must resume it, not skip it
             import mlflow
 
             mlflow.MlflowClient(logger._tracking_uri).set_terminated(logger.run_id, "KILLED")
         metrics = dict(getattr(module, "last_metrics", {}))
-        return _result(rdir, logger, metrics)
+        return _result(rdir, logger, metrics, cfg, module)
     state = distributed.full_state_dict(module.policy)  # collective: every rank takes part
     if getattr(module.policy.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # saved once, as the embedding (what save_pretrained does by itself)
@@ -268,8 +410,10 @@ def train(cfg: Config) -> TrainResult:
     if trainer.is_global_zero:
         (rdir / "summary.json").write_text(json.dumps({"mlflow_run_id": logger.run_id if logger else None,
                                                        "metrics": metrics}, indent=2))
-    return _result(rdir, logger, metrics)
+    return _result(rdir, logger, metrics, cfg, module)
 
 
-def _result(rdir: Path, logger: Any, metrics: dict[str, float]) -> TrainResult:
-    return TrainResult(rdir, logger.run_id if logger else "", logger._tracking_uri if logger else "", metrics)
+def _result(rdir: Path, logger: Any, metrics: dict[str, float], cfg: Config, module: GRPOModule) -> TrainResult:
+    return TrainResult(rdir, logger.run_id if logger else "", logger._tracking_uri if logger else "", metrics,
+                       iterations_done=module.iterations_done, max_steps=cfg.trainer.max_steps,
+                       stopped_early=bool(getattr(module, "stopped_early", False)), interrupted=module.interrupted)

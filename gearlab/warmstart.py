@@ -293,6 +293,7 @@ def warmstart(
         "seed": seed,
         "bf16": bf16,
         "privileged_fraction": privileged_fraction,
+        "threads": torch.get_num_threads(),  # float reduction order, hence the result, depends on it
         "loss_first": losses[0] if losses else None,
         # mean of the last 10 steps: single-batch losses are noisy
         "loss_last": sum(losses[-10:]) / len(losses[-10:]) if losses else None,

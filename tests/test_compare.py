@@ -13,7 +13,7 @@ import torch
 
 from gearlab.compare import compare
 from gearlab.config import load_config
-from gearlab.report import t_interval
+from gearlab.report import _band, _bounds, build_report, t_interval
 from gearlab.train import train
 
 
@@ -53,6 +53,11 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
         assert g["eval/greedy_accuracy"][0] == e["eval/greedy_accuracy"][0]  # same eval problems before training
     assert h[("grpo", "0")]["train/data_crc"] != h[("grpo", "1")]["train/data_crc"]  # seeds differ
     assert "report/report.md" in [a.path for a in client.list_artifacts(parent.info.run_id, "report")]
+    # a model-training experiment (not MLflow 3's GenAI view), artifacts beside the db, versions on every run
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert exp.artifact_location == (tmp_path.resolve() / "mlartifacts" / "compare_pair").as_uri()
+    assert all(r.data.tags["versions.torch"] == torch.__version__ for r in [parent, *kids.values()])
+    assert {"grpo/final_mean", "entropy_adv/paired_diff"} <= set(parent.data.metrics)
     table = capsys.readouterr().out.split("| method")[1].split("[compare]")[0]
     # the same table from MLflow alone, in a new process
     rep = subprocess.run([sys.executable, "-m", "gearlab.cli", "report", "pair", f"trainer.output_dir={tmp_path}"],
@@ -137,3 +142,125 @@ def test_replay_reuses_the_cached_rollouts(tmp_path, tiny_model_dir):
     assert m1 == m2 or all(abs(m1[k] - m2[k]) < 1e-9 or (m1[k] != m1[k]) for k in m1)
     assert m1["sign_diff_vs_grpo/gear"] == 0.0 and "top10_share/entropy_fork" in m1
     assert first["sequences"] == 12
+
+
+# --- reports from comparisons made directly in MLflow (no training: fast) ---
+
+def _fake_comparison(tmp_path, name, children, *, baseline="grpo"):
+    """A comparison as ``gearlab compare`` records it, made directly with an MlflowClient. children:
+    {(assigner, seed): (final eval/greedy_accuracy, train/accuracy curve, extra tags)}; returns (uri, client, parent id)."""
+    from gearlab.provenance import version_tags
+    from gearlab.tracking import ensure_experiment
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp_id = ensure_experiment(uri, f"compare/{name}", client)
+    assigners = list(dict.fromkeys(a for a, _ in children))
+    seeds = sorted({s for _, s in children})
+    parent = client.create_run(exp_id, run_name=name, tags={
+        "comparison_id": name, "gearlab.role": "parent", "assigners": ",".join(assigners),
+        "seeds": ",".join(map(str, seeds)), "baseline": baseline, **version_tags()})
+    pid = parent.info.run_id
+    for (a, s), (final, curve, tags) in children.items():
+        r = client.create_run(exp_id, run_name=f"{name}/{a}-s{s}", tags={
+            "comparison_id": name, "assigner": a, "seed": str(s), "mlflow.parentRunId": pid, **tags})
+        for i, v in enumerate(curve):
+            client.log_metric(r.info.run_id, "train/accuracy", v, step=i)
+        client.log_metric(r.info.run_id, "eval/greedy_accuracy", final, step=len(curve))
+        client.set_terminated(r.info.run_id, "FINISHED")
+    return uri, client, pid
+
+
+def _tags(**over):
+    from gearlab.provenance import version_tags
+
+    return {"git_sha": over.pop("git_sha", "abc123"), **version_tags(), "versions.gearlab": "abc123",
+            **{f"versions.{k}": v for k, v in over.items()}}
+
+
+def test_report_warns_when_children_differ_in_versions(tmp_path):
+    from gearlab.provenance import package_versions
+
+    have = package_versions()["transformers"]
+    old = {k: v for k, v in _tags().items() if not k.startswith("versions.")}  # a run from before the tags
+    uri, _, _ = _fake_comparison(tmp_path, "mixed", {
+        ("grpo", 0): (0.5, [0.1, 0.2], _tags()), ("gear", 0): (0.6, [0.1, 0.3], _tags()),
+        ("grpo", 1): (0.4, [0.1, 0.2], old), ("gear", 1): (0.7, [0.2, 0.4], _tags(transformers="9.9.9"))})
+    rep = build_report(uri, "mixed", out_dir=tmp_path / "rep")
+    line = f"WARNING: runs differ in versions.transformers ({have}: grpo-s0, gear-s0; 9.9.9: gear-s1; unknown: grpo-s1)"
+    assert rep.warnings[0] == line and line in rep.table and line in rep.markdown_path.read_text()
+    assert sum(w.startswith("WARNING") for w in rep.warnings) == 1  # the old run alone is no mismatch
+    assert any("grpo-s1" in w and "unknown" in w for w in rep.warnings[1:])
+    js = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert js["version_mismatch"] == [{"key": "versions.transformers", "values": {
+        have: ["grpo-s0", "gear-s0"], "9.9.9": ["gear-s1"], "unknown": ["grpo-s1"]}}]
+    assert js["versions_unknown"] == ["grpo-s1"]
+    # another commit of gearlab is a mismatch too, in git_sha (an old run's git_sha tag counts)
+    uri2, _, _ = _fake_comparison(tmp_path / "b", "code", {
+        ("grpo", 0): (0.5, [0.1], _tags()), ("gear", 0): (0.6, [0.1], {"git_sha": "def456"})})
+    rep2 = build_report(uri2, "code", out_dir=tmp_path / "rep2")
+    assert rep2.version_mismatch == [{"key": "git_sha", "values": {"abc123": ["grpo-s0"], "def456": ["gear-s0"]}}]
+    assert "WARNING: runs differ in git_sha (abc123: grpo-s0; def456: gear-s0)" in rep2.table
+
+
+def test_report_is_quiet_when_children_agree(tmp_path):
+    uri, _, _ = _fake_comparison(tmp_path, "same", {
+        (a, s): (0.5 + 0.1 * s, [0.1, 0.2], _tags()) for a in ("grpo", "gear") for s in (0, 1)})
+    rep = build_report(uri, "same", out_dir=tmp_path / "rep")
+    assert rep.warnings == [] and rep.version_mismatch == [] and "WARNING" not in rep.table
+    assert json.loads((tmp_path / "rep" / "report.json").read_text())["version_mismatch"] == []
+
+
+def test_parent_run_gets_the_headline_metrics(tmp_path):
+    finals = {("grpo", 0): 0.5, ("grpo", 1): 0.3, ("gear", 0): 0.6, ("gear", 1): 0.6, ("pass@k", 0): 0.1}
+    uri, client, pid = _fake_comparison(tmp_path, "head", {k: (v, [0.1, 0.2], _tags()) for k, v in finals.items()})
+    rep = build_report(uri, "head", out_dir=tmp_path / "rep")
+    for _ in range(2):  # re-building the report logs the same numbers again, at step 0
+        m = client.get_run(pid).data.metrics
+        rows = {r["assigner"]: r for r in rep.rows}
+        assert m["grpo/final_mean"] == pytest.approx(0.4) and m["grpo/n"] == 2
+        assert m["grpo/final_ci95"] == pytest.approx(rows["grpo"]["ci95"])
+        assert m["gear/final_mean"] == pytest.approx(0.6) and m["gear/paired_diff"] == pytest.approx(0.2)
+        assert m["gear/paired_ci95"] == pytest.approx(rows["gear"]["diff_ci95"]) and m["gear/paired_n"] == 2
+        assert "grpo/paired_diff" not in m  # the baseline has no difference to itself
+        assert m["pass_at_k/final_mean"] == pytest.approx(0.1) and "pass_at_k/final_ci95" not in m  # n = 1: no interval
+        assert {m_.step for m_ in client.get_metric_history(pid, "gear/final_mean")} == {0}
+        rep = build_report(uri, "head", out_dir=tmp_path / "rep")
+    arts = [a.path for a in client.list_artifacts(pid, "report")]
+    assert {"report/report.md", "report/report.json", "report/curves.png"} <= set(arts)
+
+
+def test_accuracy_bands_stay_within_0_and_1():
+    series = [[0.0, 0.0, 0.1, 1.0], [0.0, 0.5, 0.9, 1.0], [0.0, 0.0, 1.0, 0.6]]
+    mean, lo, hi = _band(series)
+    assert min(lo) < 0 and max(hi) > 1  # the plain t band leaves [0, 1]
+    mean_c, lo_c, hi_c = _band(series, _bounds("train/accuracy"))
+    assert mean_c == mean and all(0.0 <= v <= 1.0 for v in lo_c + hi_c)
+    assert all(a <= m <= b for a, m, b in zip(lo_c, mean_c, hi_c))
+    assert _bounds("eval/greedy_accuracy") == _bounds("eval/pass@4") == _bounds("eval/pass_at_4") == (0.0, 1.0)
+    assert _bounds("eval/avg@8") == (0.0, 1.0)
+    assert _bounds("train/reward", [0.0, 1.0, 0.5]) == (0.0, 1.0) and _bounds("train/reward", [-0.5, 2.0]) is None
+    assert _bounds("update/loss", [0.1, 0.2]) is None
+
+
+
+def test_report_shows_the_start_and_the_paired_change_from_it(tmp_path):
+    """Each method's row says where its seeds started (the evaluation before the first iteration) and the
+    paired change since, with its t-interval: does the method learn at all?"""
+    from gearlab.report import build_report
+
+    finals = {("grpo", 0): 0.30, ("grpo", 1): 0.40, ("grpo", 2): 0.20, ("gear", 0): 0.10, ("gear", 1): 0.20, ("gear", 2): 0.30}
+    starts = {0: 0.20, 1: 0.30, 2: 0.20}
+    uri, client, pid = _fake_comparison(tmp_path, "learn", {k: (v, [0.1, 0.2], _tags()) for k, v in finals.items()})
+    for r in client.search_runs([client.get_experiment_by_name("compare/learn").experiment_id]):
+        if "seed" in r.data.tags:
+            client.log_metric(r.info.run_id, "eval/greedy_accuracy", starts[int(r.data.tags["seed"])], step=0)
+    rep = build_report(uri, "learn", out_dir=tmp_path / "rep")
+    rows = {r["assigner"]: r for r in rep.rows}
+    assert rows["grpo"]["start"] == pytest.approx(0.7 / 3) and rows["grpo"]["change_n"] == 3
+    assert rows["grpo"]["change"] == pytest.approx((0.1 + 0.1 + 0.0) / 3)  # paired per seed: final − start
+    assert rows["gear"]["change"] == pytest.approx((-0.1 - 0.1 + 0.1) / 3)
+    from gearlab.report import t_interval
+
+    assert rows["gear"]["change_ci95"] == pytest.approx(t_interval([-0.1, -0.1, 0.1])[1])
+    assert "start" in rep.table and "change from start" in rep.table and "23.3" in rep.table

@@ -210,3 +210,126 @@ def test_killed_process_resumes_the_same_mlflow_run(tmp_path, tiny_model_dir):
     assert run.info.status == "FINISHED" and run.data.tags.get("resumed") == "true"
     assert {m.step for m in client.get_metric_history(run_id, "train/reward")} == set(range(8))
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_second_run_on_the_same_folder_refuses(tmp_path, tiny_model_dir):
+    """Two identical `gearlab train` at once: the second stops with one line (exit 2) before any work, instead
+    of writing the same checkpoints and opening a second MLflow run."""
+    from gearlab.train import run_dir, run_folder_lock
+
+    cfg = load_config(_overrides(tmp_path, tiny_model_dir))
+    with run_folder_lock(run_dir(cfg)):
+        out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *_overrides(tmp_path, tiny_model_dir)],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is in use by gearlab pid" in lines[0] and "trainer.run_name" in lines[0], out.stderr
+    assert not (run_dir(cfg) / "mlflow_run_id").exists() and not (tmp_path / "mlflow.db").exists()
+    # released: the same command now runs
+    assert train(cfg).iterations_done == 3
+
+
+def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_model_dir, monkeypatch):
+    """Ctrl-C (a real SIGINT through the handler) finishes the iteration, checkpoints it, marks the MLflow run
+    KILLED and says how to resume; the same command then finishes with one value per iteration in MLflow."""
+    import os
+    import signal
+
+    from gearlab import module as module_mod
+    from gearlab.cli import train_summary
+
+    real = module_mod.GRPOModule._update
+
+    def ctrl_c_during_iteration_3(self, rb, adv, loss_mask, it):
+        if it == 2 and not self.interrupted:  # the update of iteration 3
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, rb, adv, loss_mask, it)
+
+    cfg = load_config(_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=6", "trainer.checkpoint_every=10"))
+    monkeypatch.setattr(module_mod.GRPOModule, "_update", ctrl_c_during_iteration_3)
+    first = train(cfg)
+    monkeypatch.setattr(module_mod.GRPOModule, "_update", real)
+    assert first.stopped_early and first.interrupted and first.iterations_done == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    client = mlflow.MlflowClient(first.tracking_uri)
+    assert client.get_run(first.mlflow_run_id).info.status == "KILLED"
+    ck = torch.load(first.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ck["gearlab"]["iterations_done"] == 3
+    text = train_summary(first, ["train", "trainer.max_steps=6"])
+    assert "interrupted after 3 of 6 iterations" in text and "resume (same MLflow run, exact): gearlab train trainer.max_steps=6" in text
+    second = train(cfg)
+    assert second.mlflow_run_id == first.mlflow_run_id and second.iterations_done == 6 and not second.stopped_early
+    assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(first.mlflow_run_id, "train/reward")]
+    assert sorted(steps) == list(range(6))  # one value per iteration, none twice
+    text = train_summary(second, ["train"])
+    assert "done: 6 iterations" in text and "greedy_accuracy" in text and "mlflow ui --backend-store-uri sqlite:///" in text
+    assert f"gearlab inspect model.name_or_path={second.run_dir / 'final'}" in text
+
+
+def test_resumed_run_logs_each_iteration_once_after_a_hard_kill(tmp_path, tiny_model_dir):
+    """A process killed between logging an iteration and checkpointing it re-runs that iteration on resume; the
+    resume is exact, so the value on record is kept and not logged a second time."""
+    from gearlab import module as module_mod
+
+    cfg = load_config(_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=5", "trainer.checkpoint_every=2"))
+    original = module_mod.GRPOModule.training_step
+
+    def die_in_iteration_4(self, batch, batch_idx):
+        if batch["iteration"] == 3:  # iterations 1-3 logged, checkpoint at 2
+            raise RuntimeError("simulated crash")
+        return original(self, batch, batch_idx)
+
+    module_mod.GRPOModule.training_step = die_in_iteration_4
+    try:
+        with pytest.raises(RuntimeError):
+            train(cfg)
+    finally:
+        module_mod.GRPOModule.training_step = original
+    res = train(cfg)
+    client = mlflow.MlflowClient(res.tracking_uri)
+    for key in ("train/reward", "train/iteration", "update/clipfrac"):
+        steps = [m.step for m in client.get_metric_history(res.mlflow_run_id, key)]
+        assert sorted(steps) == list(range(5)), (key, steps)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "inspect", "replay", "compare", "export"])
+def test_missing_model_is_one_line_in_every_command(tmp_path, command, capsys):
+    from gearlab.cli import main
+
+    missing = tmp_path / "runs" / "arith-grpo-s0" / "final"
+    extra = {"replay": [f"replay.rollouts={tmp_path / 'r.pt'}"],
+             "export": [f"export.checkpoint={tmp_path / 'last.ckpt'}", f"export.out={tmp_path / 'hf'}"]}.get(command, [])
+    assert main([command, f"model.name_or_path={missing}", f"trainer.output_dir={tmp_path / 'out'}",
+                 f"inspect.out_dir={tmp_path / 'insp'}", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.name_or_path" in err[0] and "model folder not found" in err[0], err
+
+
+def test_run_folder_instead_of_its_model_gets_a_hint(tmp_path, tiny_model_dir, capsys):
+    import shutil
+
+    from gearlab.cli import main
+
+    run = tmp_path / "grpo-s0"
+    shutil.copytree(tiny_model_dir, run / "final")
+    assert main(["eval", f"model.name_or_path={run}", f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no config.json" in err[0] and f"did you mean {run / 'final'}" in err[0], err
+
+
+def test_jsonl_task_from_the_readme(tmp_path, tiny_model_dir, capsys):
+    """`gearlab train ... task=jsonl task.options.train_path=...` (the README's example) runs; without the
+    path it is one line naming the option."""
+    import json
+
+    from gearlab.cli import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(20)))
+    assert main(["train", "task=jsonl", f"task.options.train_path={data}",
+                 *_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=1")]) == 0
+    assert "done: 1 iterations" in capsys.readouterr().out
+    assert main(["train", "task=jsonl", f"trainer.output_dir={tmp_path / 'o2'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "task.options.train_path" in err[0], err
