@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
             base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name="))]
             res = compare(cfg, base)
+            if res.get("interrupted"):
+                return 130
             print(compare_summary(cfg))
             return 1 if res["failed"] else 0
         return commands[cmd](cfg)

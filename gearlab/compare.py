@@ -10,10 +10,8 @@ Re-running the same command skips finished children and resumes a partial one fr
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,37 +110,38 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
             or done[(c.assigner, c.seed)].info.status != RunStatus.to_string(RunStatus.FINISHED)]
     print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} seeds), "
           f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}", flush=True)
-    t_start, durations, failed = time.time(), [], []
+    t_start, durations, failed, stopped = time.time(), [], [], []
 
-    def finish(c: Child, ok: bool, secs: float, err: str = "") -> None:
+    def finish(c: Child, outcome: str, secs: float, err: str = "") -> None:
         durations.append(secs)
         left = len(todo) - len(durations)
         eta = sum(durations) / len(durations) * left / max(1, cfg.compare.workers)
-        status = "finished" if ok else f"FAILED ({err.strip().splitlines()[-1][:120] if err.strip() else 'error'})"
+        status = {"ok": "finished", "stopped": "stopped (resumes on re-run)"}.get(
+            outcome, f"FAILED ({err.strip().splitlines()[-1][:120] if err.strip() else 'error'})")
         print(f"[compare] [{len(durations)}/{len(todo)}] {c.label:20s} {status} in {secs:.0f}s — ETA {eta / 60:.1f} min", flush=True)
-        if not ok:
+        if outcome == "stopped":
+            stopped.append(c.label)
+        elif outcome != "ok":
             failed.append(c.label)
             _mark_failed(client, exp_id, cfg.compare.name, c, err)
 
-    if cfg.compare.workers <= 1:
-        for c in todo:
-            t0 = time.time()
-            try:
-                _run_in_process(c)
-                finish(c, True, time.time() - t0)
-            except Exception as e:  # a crashed child is recorded and the comparison goes on
-                finish(c, False, time.time() - t0, f"{type(e).__name__}: {e}")
-    else:
-        # fixed by the config when given (results then do not depend on the machine's core count)
-        threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // cfg.compare.workers)
-
-        def work(c: Child) -> None:
-            t0 = time.time()
-            ok, err = _run_subprocess(c, threads)
-            finish(c, ok, time.time() - t0, err)
-
-        with ThreadPoolExecutor(cfg.compare.workers) as pool:
-            list(pool.map(work, todo))
+    # fixed by the config when given (results then do not depend on the machine's core count)
+    threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // max(1, cfg.compare.workers))
+    logs = Path(cfg.trainer.output_dir) / cfg.compare.name
+    try:
+        if cfg.compare.workers <= 1:
+            for c in todo:
+                outcome, err, secs = run_child(c.overrides)
+                finish(c, outcome, secs, err)
+                if outcome == "stopped":
+                    raise KeyboardInterrupt
+        else:
+            _run_pool(todo, cfg.compare.workers, threads, logs, finish)
+    except KeyboardInterrupt:
+        print(f"[compare] interrupted: {len(durations)}/{len(todo)} runs done, {len(stopped)} stopped at an iteration "
+              f"boundary; run the same command to resume (finished runs are kept, stopped ones resume)", flush=True)
+        client.set_terminated(pid, "KILLED")
+        return {"failed": failed, "stopped": stopped, "interrupted": True, "report": None, "plot": None}
     from gearlab.report import build_report
 
     rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric, baseline=cfg.compare.baseline,
@@ -154,17 +153,85 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
     return {"failed": failed, "report": str(rep.markdown_path), "plot": str(rep.plot_path)}
 
 
-def _run_in_process(c: Child) -> None:
+def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, float]:
+    """Train one child in this process: ("ok" | "stopped" | "failed", error text, seconds). With ``log``, the
+    child's console output (both file descriptors, so also library output) goes to that file instead."""
+    import traceback
+
     from gearlab.train import train
 
-    train(load_config(c.overrides))
+    t0 = time.time()
+    saved: tuple[int, int] | None = None
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        saved = os.dup(1), os.dup(2)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        res = train(load_config(overrides))
+        outcome, err = ("stopped" if res.stopped_early else "ok"), ""
+    except (Exception, SystemExit) as e:  # a crashed child is recorded and the comparison goes on
+        outcome, err = "failed", "".join(traceback.format_exception(e))[-4000:]
+    finally:
+        if saved is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    return outcome, err, time.time() - t0
 
 
-def _run_subprocess(c: Child, threads: int) -> tuple[bool, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *c.overrides,
-                          "trainer.progress_bar=false", f"trainer.threads={threads}"], capture_output=True, text=True, env=env)
-    return out.returncode == 0, out.stderr[-4000:]
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish) -> None:
+    """Run the children on ``workers`` long-lived processes (started once, so the ~10 s of imports are paid once
+    per worker, not once per child); each child's output goes to ``<output_dir>/<comparison>/<label>/train.log``.
+    On Ctrl-C the workers' children stop at an iteration boundary (gearlab.train.graceful_stop), the queued ones
+    are dropped, and KeyboardInterrupt is raised here."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # read at import by the workers
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                               initargs=(threads,))
+    try:
+        futures = {pool.submit(run_child, [*c.overrides, "trainer.progress_bar=false", f"trainer.threads={threads}"],
+                               str(logs / c.label / "train.log")): c for c in todo}
+        interrupted = False
+        for f in as_completed(futures):
+            try:
+                outcome, err, secs = f.result()
+            except Exception as e:  # the worker process itself died (e.g. killed): the pool is broken
+                outcome, err, secs = "failed", f"{type(e).__name__}: {e}", 0.0
+            finish(futures[f], outcome, secs, err)
+            if outcome == "stopped" and not interrupted:
+                interrupted = True
+                for g in futures:
+                    g.cancel()
+        if interrupted:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pool.shutdown(wait=True, cancel_futures=True)  # running children finish their iteration and checkpoint
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _mark_failed(client: mlflow.MlflowClient, exp_id: str, comparison: str, c: Child, err: str) -> None:

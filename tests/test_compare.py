@@ -264,3 +264,22 @@ def test_report_shows_the_start_and_the_paired_change_from_it(tmp_path):
 
     assert rows["gear"]["change_ci95"] == pytest.approx(t_interval([-0.1, -0.1, 0.1])[1])
     assert "start" in rep.table and "change from start" in rep.table and "23.3" in rep.table
+
+
+def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, capsys):
+    """workers=2 (two long-lived spawned processes, several children each) records exactly the metrics of
+    workers=1 (every child in this process, one after another), and keeps each child's output in its train.log."""
+    common = ["trainer.threads=1"]
+    _run(tmp_path / "seq", tiny_model_dir, "pool", "[grpo,gear]", "[0,1]", *common)
+    out, _ = _run(tmp_path / "par", tiny_model_dir, "pool", "[grpo,gear]", "[0,1]", *common, "compare.workers=2")
+    assert out["failed"] == []
+    hist = {}
+    for d in ("seq", "par"):
+        client = mlflow.MlflowClient(f"sqlite:///{tmp_path / d / 'mlflow.db'}")
+        exp = client.get_experiment_by_name("compare/pool")
+        hist[d] = {(r.data.tags["assigner"], r.data.tags["seed"]): _histories(client, r.info.run_id, ("train/reward", "eval/", "update/loss", "update/clipfrac"))
+                   for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags}
+    assert len(hist["par"]) == 4 and hist["par"] == hist["seq"]
+    log = (tmp_path / "par" / "pool" / "gear-s1" / "train.log").read_text()
+    assert "done" not in capsys.readouterr().out.split("| method")[0].split("to run")[1]  # children's output stays off the console
+    assert log.strip()  # ... and lands in the child's log
