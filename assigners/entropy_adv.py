@@ -1,7 +1,7 @@
 """Entropy-based advantage shaping: a clipped, detached entropy bonus added to every token's advantage.
 
 Method: Cheng et al., "Reasoning with Exploration: An Entropy Perspective" (arXiv 2506.14758),
-methods.md §3.2.
+docs/credit/entropy_adv.md.
 
     ψ_{i,t} = min( α · sg(H_{i,t}), |A_i| / κ ),   α > 0, κ > 1          [3P, consistent with the abstract]
     A_{i,t} = (A_i + ψ_{i,t}) · m_{i,t}                                   (GRPO broadcast A_i)   [SRC abstract]
@@ -18,11 +18,19 @@ Provenance of choices:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit.options import option
+
+
+@dataclass
+class EntropyAdvOptions:
+    alpha: float = option(0.4, "entropy bonus scale α [PROPOSED]", lo=0.0, lo_open=True)
+    kappa: float = option(2.0, "cap |A|/κ on the bonus; κ > 1 keeps the sign of A [PROPOSED]", lo=1.0, lo_open=True)
 
 
 @register("entropy_adv")
@@ -31,13 +39,7 @@ class EntropyAdvantageAssigner(CreditAssigner):
     preserves_sign = True  # |ψ| ≤ |A|/κ < |A|
     preserves_mass = False  # ψ ≥ 0 adds mass whenever A ≠ 0 and H > 0
 
-    def __init__(self, alpha: float = 0.4, kappa: float = 2.0) -> None:
-        if not alpha > 0:
-            raise ValueError(f"entropy_adv: alpha must be > 0, got {alpha}")
-        if not kappa > 1:
-            raise ValueError(f"entropy_adv: kappa must be > 1 (else the sign of A could flip), got {kappa}")
-        self.alpha = float(alpha)
-        self.kappa = float(kappa)
+    Options = EntropyAdvOptions
 
     def assign(self, batch: RolloutBatch, seq_advantages: Tensor, signals: dict[Signal, Tensor]) -> CreditOutput:
         mask = batch.response_mask  # [B, T] bool

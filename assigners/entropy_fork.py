@@ -1,6 +1,6 @@
 """Forking-token credit: the policy gradient flows only through the highest-entropy tokens.
 
-Method: "Beyond the 80/20 Rule" (Wang et al., arXiv 2506.01939), methods.md §3.1.
+Method: "Beyond the 80/20 Rule" (Wang et al., arXiv 2506.01939), docs/credit/entropy_fork.md.
 
     M_{i,t} = 1  iff  H_{i,t} is among the top-k entropies of the valid tokens in the scope,
     k = max(1, int(N_valid · ρ + 0.9999))   (ceil as written in the paper code)      [SRC]
@@ -23,18 +23,21 @@ Scope (option ``scope``):
           It matches the core's update micro-batches only when mini_batches == 1 (rows in order).
 
 Entropy [INF]: H_t of π_old (Signal.ENTROPY). The paper code uses the update forward of the current
-policy; with μ = 1 on-policy updates (methods.md §9b) both are the same policy.
+policy; with μ = 1 on-policy updates (docs/credit/README.md#shared-settings-for-comparisons) both are the same policy.
 Selection uses ``torch.topk``, never ``torch.quantile`` (which fails above 2^24 elements).
 Caveat: with "paper" the core's loss_mask also restricts a KL / entropy bonus, which the paper code
-keeps on the full mask; §9b uses neither.
+keeps on the full mask; the shared comparison setting uses neither.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
 import torch
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit.options import OptionError, option
 
 
 def top_fraction_mask(values: Tensor, valid: Tensor, rho: float) -> Tensor:
@@ -51,26 +54,27 @@ def top_fraction_mask(values: Tensor, valid: Tensor, rho: float) -> Tensor:
     return out
 
 
+@dataclass
+class EntropyForkOptions:
+    rho: float = option(0.2, "share of the highest-entropy tokens that get a gradient", lo=0.0, lo_open=True, hi=1.0)
+    normaliser: str = option("paper", "loss normaliser: the 80/20 paper code's, or TRL's", choices=("paper", "trl"))
+    scope: str = option("batch", "where the top-ρ is taken: the whole batch, or each micro-batch",
+                        choices=("batch", "micro_batch"))
+    micro_batch_size: int | None = option(None, "scope=micro_batch: sequences per micro-batch", lo=1)
+
+
 @register("entropy_fork")
 class EntropyForkAssigner(CreditAssigner):
     needs = frozenset({Signal.ENTROPY})
     preserves_sign = True  # A_{i,t} is A_i or 0
     preserves_mass = False  # "trl" zeroes unselected tokens; "paper" drops them from the loss
 
-    def __init__(self, rho: float = 0.2, normaliser: str = "paper", scope: str = "batch",
-                 micro_batch_size: int | None = None) -> None:
-        if not 0.0 < rho <= 1.0:
-            raise ValueError(f"entropy_fork: rho must be in (0, 1], got {rho}")
-        if normaliser not in ("paper", "trl"):
-            raise ValueError(f"entropy_fork: normaliser must be 'paper' or 'trl', got {normaliser!r}")
-        if scope not in ("batch", "micro_batch"):
-            raise ValueError(f"entropy_fork: scope must be 'batch' or 'micro_batch', got {scope!r}")
-        if scope == "micro_batch" and (micro_batch_size is None or int(micro_batch_size) < 1):
-            raise ValueError("entropy_fork: scope='micro_batch' needs a positive micro_batch_size")
-        self.rho = float(rho)
-        self.normaliser = normaliser
-        self.scope = scope
-        self.micro_batch_size = None if micro_batch_size is None else int(micro_batch_size)
+    Options = EntropyForkOptions
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        if self.scope == "micro_batch" and self.micro_batch_size is None:
+            raise OptionError("assigner.options.micro_batch_size", "scope='micro_batch' needs a positive micro_batch_size")
 
     def select(self, entropy: Tensor, mask: Tensor) -> Tensor:
         """[B, T] bool selection M (subset of ``mask``) under the configured scope."""

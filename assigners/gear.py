@@ -1,6 +1,6 @@
 """GEAR — Granularity-adaptivE Advantage Reweighting (arXiv 2605.11853): a PROPOSED reconstruction.
 
-Provenance (methods.md §2). The full text of the paper was NOT available, so only the outline is sourced:
+Provenance (docs/credit/gear.md#provenance). The full text of the paper was NOT available, so only the outline is sourced:
 
 * [SRC, abstract] the trajectory-level GRPO advantage is reshaped with token- and segment-level signals
   from self-distillation: an on-policy student is compared with a ground-truth-conditioned teacher; the
@@ -9,14 +9,14 @@ Provenance (methods.md §2). The full text of the paper was NOT available, so on
   segment whose advantage is modulated by the divergence at the departure point.
 * [3P, figure-caption fragment] the divergence is a token-wise reverse KL KL(π_S ‖ π_T); KL peaks give
   segment onsets and entropy gives their extent. [3P] the teacher context is the ground-truth answer.
-* [PROPOSED, methods.md §2.5/§2.6/§2.8] everything concrete below: the onset rule (per-trajectory
+* [PROPOSED, docs/credit/gear.md#the-reconstruction] everything concrete below: the onset rule (per-trajectory
   q_on-quantile, absolute floor d_min, local maximum; or a z-score), the extent rule (extend through
   tokens under the q_H entropy quantile, stop at the next onset / fork / masked token / turn boundary /
   L_max), the segment signal g = d / mean(d) held at its onset value inside a segment, the sign-aware
   weight w = clip(exp(−sign(A)·β·(g−1)), 1−ε_w, 1+ε_w), the per-trajectory mass normalisation
   w ← w·N/Σw, and every default value. The live teacher (same weights, detached) is PROPOSED too.
 
-Every open question of methods.md §2.10 is an option whose default is the PROPOSED choice:
+Every open question (docs/credit/gear.md#open-questions-and-their-options) is an option whose default is the PROPOSED choice:
 
   Q1 divergence ........ ``divergence`` = "full_kl" (TEACHER_KL) | "sampled" (log π_S(y_t) − log π_T(y_t)
                          of the sampled token; ``clamp_sampled`` = True clamps it at 0)
@@ -28,7 +28,7 @@ Every open question of methods.md §2.10 is an option whose default is the PROPO
   Q5 normalisation ..... ``normalisation`` = "sequence" | "group" | "batch" | "none"
   Q6 teacher weights ... ``teacher_mode`` = "live" | "frozen" | "ema"; ``teacher_sync_every``; ``teacher_ema``
   Q7 teacher context ... ``teacher_context`` = "answer" | "solution"
-  §2.8 answer leakage .. ``exclude_last_tokens`` (tokenizer-free: the last k generated tokens of the
+  answer leakage (docs/credit/gear.md#caveats) .. ``exclude_last_tokens`` (tokenizer-free: the last k generated tokens of the
                          trajectory are not onset candidates) and ``exclude_answer_span`` (uses the core's
                          REASONING_MASK signal; the final-answer span is not an onset candidate)
 
@@ -40,7 +40,7 @@ Resolved details (all [PROPOSED], not in any source):
   local maximum compares with the neighbours in the pool that are adjacent and in the same turn (a
   missing neighbour counts as −∞). Excluded tokens still join segments and get per-token weights.
 * The entropy threshold is the q_h quantile over all generated tokens of the trajectory. Reading (a)
-  continues while H < τ_H (a fork H ≥ τ_H ends the segment, the §3.1 notion); reading (b) continues
+  continues while H < τ_H (a fork H ≥ τ_H ends the segment, the forking-token notion of docs/credit/entropy_fork.md); reading (b) continues
   while H ≥ τ_H, with the same threshold.
 * Segment length (onset included) is at most l_max. Segments never contain a masked token and never
   cross a change of ``batch.turn_ids``.
@@ -54,13 +54,15 @@ Resolved details (all [PROPOSED], not in any source):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit.options import option
 
 DIVERGENCES = ("full_kl", "sampled")
 ONSET_RULES = ("quantile", "zscore")
@@ -73,38 +75,6 @@ TEACHER_CONTEXTS = ("answer", "solution")
 
 _MEAN_EPS = 1e-12  # below this mean divergence, g ≡ 1 (no modulation)
 _EXP_ARG_MAX = 50.0  # keeps exp() finite before the clip; any value ≥ log(2) gives the same clipped weight
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"gear: {name} must be one of {', '.join(allowed)}; got {value!r}")
-    return value
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"gear: {name} must be true or false; got {value!r}")
-    return value
-
-
-def _number(name: str, value: Any, lo: float | None = None, hi: float | None = None, *,
-            lo_open: bool = False, hi_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"gear: {name} must be a finite number; got {value!r}")
-    v = float(value)
-    if lo is not None and (v < lo or (lo_open and v == lo)):
-        raise ValueError(f"gear: {name} must be {'>' if lo_open else '>='} {lo}; got {v}")
-    if hi is not None and (v > hi or (hi_open and v == hi)):
-        raise ValueError(f"gear: {name} must be {'<' if hi_open else '<='} {hi}; got {v}")
-    return v
-
-
-def _integer(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-        raise ValueError(f"gear: {name} must be an integer; got {value!r}")
-    if int(value) < lo:
-        raise ValueError(f"gear: {name} must be >= {lo}; got {value!r}")
-    return int(value)
 
 
 def _row_quantile(x: Tensor, pool: Tensor, q: float) -> Tensor:
@@ -121,45 +91,54 @@ def _row_quantile(x: Tensor, pool: Tensor, q: float) -> Tensor:
     return torch.where(n > 0, out, torch.full_like(out, math.inf))
 
 
+@dataclass
+class GEAROptions:
+    """GEAR's options (docs/credit/gear.md#options); every open question of the reconstruction is one."""
+
+    # Q1: the divergence d_t
+    divergence: str = option("full_kl", "full-vocabulary KL(π_S‖π_T), or the sampled-token log-ratio", choices=DIVERGENCES)
+    clamp_sampled: bool = option(True, "divergence=sampled: clamp the single-sample estimate at 0")
+    # Q2: onsets
+    onset_rule: str = option("quantile", "onsets at the per-trajectory q_on-quantile of d, or at μ + z_k·σ", choices=ONSET_RULES)
+    q_on: float = option(0.9, "onset quantile of d within a trajectory", lo=0.0, hi=1.0)
+    d_min: float = option(0.05, "absolute floor on an onset's divergence (nats)", lo=0.0)
+    z_k: float = option(2.0, "onset_rule=zscore: standard deviations above the mean")
+    onset_local_max: bool = option(True, "onsets must be local maxima of d")
+    exclude_last_tokens: int = option(0, "answer-leak guard: the last k generated tokens cannot be onsets", lo=0)
+    exclude_answer_span: bool = option(False, "answer-leak guard: the final-answer span cannot hold onsets")
+    # Q3: segment extent
+    entropy_rule: str = option("low_continues", "a segment runs while H < Q_{q_h}(H), or while H is high", choices=ENTROPY_RULES)
+    entropy_source: str = option("student", "whose entropy bounds segments", choices=ENTROPY_SOURCES)
+    q_h: float = option(0.8, "entropy quantile that ends a segment", lo=0.0, hi=1.0)
+    l_max: int = option(64, "longest segment, onset included (tokens)", lo=1)
+    # Q4: segment weights w = clip(exp(−sign(A)·β·(g−1)), 1−ε_w, 1+ε_w)
+    modulation: str = option("exp", "how the onset divergence scales the segment", choices=MODULATIONS)
+    beta: float = option(1.0, "modulation strength β", lo=0.0)
+    # ε_w < 1 keeps every weight > 0, which is what makes the method sign-preserving
+    eps_w: float = option(0.5, "weights are clipped to [1−ε_w, 1+ε_w]", lo=0.0, hi=1.0, hi_open=True)
+    # Q5: normalisation
+    normalisation: str = option("sequence", "rescale weights to keep each trajectory's (or group's / batch's) mass",
+                                choices=NORMALISATIONS)
+    # Q6, Q7: the teacher
+    teacher_mode: str = option("live", "teacher weights: the current policy, a frozen copy, or an EMA", choices=TEACHER_MODES)
+    teacher_sync_every: int = option(0, "teacher_mode=frozen: re-sync every k iterations (0 = never)", lo=0)
+    teacher_ema: float = option(0.99, "teacher_mode=ema: decay", lo=0.0, hi=1.0)
+    teacher_context: str = option("answer", "privileged context the teacher sees", choices=TEACHER_CONTEXTS)
+
+
 @register("gear")
 class GEARAssigner(CreditAssigner):
-    """GEAR (arXiv 2605.11853), PROPOSED reconstruction of methods.md §2.5: divergence-peak onsets,
+    """GEAR (arXiv 2605.11853), PROPOSED reconstruction (docs/credit/gear.md#the-reconstruction): divergence-peak onsets,
     entropy-bounded segments, sign-aware clipped weights, per-trajectory mass preservation."""
 
     needs = frozenset({Signal.TEACHER_KL, Signal.ENTROPY})  # with the default options
     preserves_sign = True  # weights are in [1−ε_w, 1+ε_w] with ε_w < 1, then scaled by a positive factor
     preserves_mass = True  # with normalisation="sequence" (the instance attribute follows the option)
 
-    def __init__(self, *, divergence: str = "full_kl", clamp_sampled: bool = True,
-                 onset_rule: str = "quantile", q_on: float = 0.9, d_min: float = 0.05, z_k: float = 2.0,
-                 onset_local_max: bool = True, exclude_last_tokens: int = 0, exclude_answer_span: bool = False,
-                 entropy_rule: str = "low_continues", entropy_source: str = "student", q_h: float = 0.8,
-                 l_max: int = 64, modulation: str = "exp", beta: float = 1.0, eps_w: float = 0.5,
-                 normalisation: str = "sequence", teacher_mode: str = "live", teacher_sync_every: int = 0,
-                 teacher_ema: float = 0.99, teacher_context: str = "answer") -> None:
-        self.divergence = _choice("divergence", divergence, DIVERGENCES)
-        self.clamp_sampled = _flag("clamp_sampled", clamp_sampled)
-        self.onset_rule = _choice("onset_rule", onset_rule, ONSET_RULES)
-        self.q_on = _number("q_on", q_on, 0.0, 1.0)
-        self.d_min = _number("d_min", d_min, 0.0)
-        self.z_k = _number("z_k", z_k)
-        self.onset_local_max = _flag("onset_local_max", onset_local_max)
-        self.exclude_last_tokens = _integer("exclude_last_tokens", exclude_last_tokens, 0)
-        self.exclude_answer_span = _flag("exclude_answer_span", exclude_answer_span)
-        self.entropy_rule = _choice("entropy_rule", entropy_rule, ENTROPY_RULES)
-        self.entropy_source = _choice("entropy_source", entropy_source, ENTROPY_SOURCES)
-        self.q_h = _number("q_h", q_h, 0.0, 1.0)
-        self.l_max = _integer("l_max", l_max, 1)
-        self.modulation = _choice("modulation", modulation, MODULATIONS)
-        self.beta = _number("beta", beta, 0.0)
-        # ε_w < 1 keeps every weight > 0, which is what makes the method sign-preserving
-        self.eps_w = _number("eps_w", eps_w, 0.0, 1.0, hi_open=True)
-        self.normalisation = _choice("normalisation", normalisation, NORMALISATIONS)
-        self.teacher_mode = _choice("teacher_mode", teacher_mode, TEACHER_MODES)
-        self.teacher_sync_every = _integer("teacher_sync_every", teacher_sync_every, 0)
-        self.teacher_ema = _number("teacher_ema", teacher_ema, 0.0, 1.0)
-        self.teacher_context = _choice("teacher_context", teacher_context, TEACHER_CONTEXTS)
+    Options = GEAROptions
 
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)  # typed options → attributes (gearlab.credit.options)
         self.preserves_mass = self.normalisation == "sequence"
         needs = {Signal.TEACHER_KL} if self.divergence == "full_kl" else {Signal.LOGPROBS, Signal.TEACHER_LOGPROBS}
         needs.add(Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY)

@@ -1,4 +1,4 @@
-"""GiGPO: episode-group advantage plus anchor-state step-group advantage (methods.md §4.2).
+"""GiGPO: episode-group advantage plus anchor-state step-group advantage (docs/credit/gigpo.md).
 
 Source: Feng et al., arXiv 2505.10978 (NeurIPS 2025); code ``gigpo/core_gigpo.py`` of the fork
 ``vanzll/verl-agent@d0b97244`` (equation numbers from its comments). Tags: [SRC] read in the source,
@@ -47,16 +47,18 @@ A^S can be non-zero where A^O = 0). Single-turn tasks: ``setup`` raises ValueErr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from difflib import SequenceMatcher
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable
 
 import torch
 from torch import Tensor
 
 from .mt_grpo import per_token, require_multi_turn, turn_layout
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
-from gearlab.grpo import group_advantages
+from gearlab.credit.options import option
+from gearlab.core.grpo import group_advantages
 
 MODES = ("mean_norm", "mean_std_norm")
 
@@ -76,6 +78,18 @@ def _hashable(x: Any) -> Hashable:
     return x
 
 
+@dataclass
+class GiGPOOptions:
+    mode: str = option("mean_norm", "step-group normalisation", choices=MODES)
+    gamma: float = option(0.95, "discount of the step returns", lo=0.0, hi=1.0)
+    step_coef: float = option(1.0, "weight of the anchor-state step advantage A^S")
+    eps: float = option(1e-6, "std floor", lo=0.0)
+    cross_steps: bool = option(True, "an anchor state groups steps across turns")
+    similarity_thresh: float | None = option(None, "group text observations whose similarity exceeds this (None: exact)",
+                                             lo=0.0, lo_open=True, hi=1.0, hi_open=True)
+    outcome_in_returns: bool = option(True, "the outcome reward is part of the step returns")
+
+
 @register("gigpo")
 class GiGPOAssigner(CreditAssigner):
     needs = frozenset()
@@ -84,24 +98,7 @@ class GiGPOAssigner(CreditAssigner):
     preserves_mass = False
     keeps_zero_groups = False
 
-    def __init__(self, mode: str = "mean_norm", gamma: float = 0.95, step_coef: float = 1.0, eps: float = 1e-6,
-                 cross_steps: bool = True, similarity_thresh: Optional[float] = None,
-                 outcome_in_returns: bool = True):
-        if mode not in MODES:
-            raise ValueError(f"gigpo: mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"gigpo: gamma must be in [0, 1], got {gamma}")
-        if similarity_thresh is not None and not 0.0 < similarity_thresh < 1.0:
-            raise ValueError(f"gigpo: similarity_thresh must be in (0, 1) or null (exact grouping), got {similarity_thresh}")
-        if eps < 0:
-            raise ValueError(f"gigpo: eps must be >= 0, got {eps}")
-        self.mode = mode
-        self.gamma = float(gamma)
-        self.step_coef = float(step_coef)
-        self.eps = float(eps)
-        self.cross_steps = bool(cross_steps)
-        self.similarity_thresh = similarity_thresh
-        self.outcome_in_returns = bool(outcome_in_returns)
+    Options = GiGPOOptions
 
     def setup(self, *, seed: int, total_steps: int, task: Any) -> None:
         require_multi_turn(task, "gigpo")

@@ -1,12 +1,12 @@
 """Plain GRPO credit: every generated token of a response gets its sequence advantage.
 
-Source: verl ``compute_grpo_outcome_advantage`` / TRL GRPOTrainer (methods.md §1.3): A_{i,t} = A_i · m_{i,t}.
+Source: verl ``compute_grpo_outcome_advantage`` / TRL GRPOTrainer (docs/grpo.md#group-advantages): A_{i,t} = A_i · m_{i,t}.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
 
 

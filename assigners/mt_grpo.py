@@ -1,4 +1,4 @@
-"""MT-GRPO: outcome advantage plus group-normalised turn-reward advantages (methods.md §4.1).
+"""MT-GRPO: outcome advantage plus group-normalised turn-reward advantages (docs/credit/mt_grpo.md).
 
 Source: Zeng, Wei et al., arXiv 2505.11821; official code ``SiliangZeng/Multi-Turn-RL-Agent@7dbdd08b``
 (``mt_grpo_env_trainer.py``). Tags: [SRC] read in the source, [INF] inferred, [PROPOSED] gearlab's choice.
@@ -17,7 +17,7 @@ Turn conventions (shared with ``assigners/gigpo.py``; defined here, checked by :
   generated token whose turn id is outside 0..n_i-1 is a ValueError.
 
 Advantages (token t of generated turn k of response i; A^O_i = ``seq_advantages`` = gearlab's group-
-normalised outcome advantage, §1.3)
+normalised outcome advantage, docs/grpo.md#group-advantages)
 ------------------------------------------------------------------------------------------------
 ``k2_compat=True`` — the released 2-turn rule, exactly [SRC]:
     R^T_i = turn_rewards[i, 0] (the tool turn's reward), A^T = group-norm(R^T),
@@ -33,7 +33,7 @@ normalised outcome advantage, §1.3)
                        The natural per-turn-index port of the 2-turn code. BIASED when the policy
                        decides when to stop: the number of baseline terms subtracted depends on the
                        trajectory's own stopping turn, i.e. an action-dependent baseline that taxes
-                       every extra turn by the group mean of its reward (verl#7244, anchors.md §3.5).
+                       every extra turn by the group mean of its reward (verl#7244; docs/credit/mt_grpo.md#why-reward-to-go-is-the-default).
   norm="zero_fill"     V_{i,k} = Σ_{k'≥k} A^{T,k'}_i over ALL k' < K, A^{T,k'} = group-norm of r_{·,k'}
                        over the whole group with missing turns counted as reward 0. Every response
                        subtracts the same K-k baselines, so the baseline no longer depends on i's
@@ -62,14 +62,16 @@ Single-turn tasks: ``setup`` raises ValueError (never a silent fall-back to GRPO
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
-from gearlab.grpo import group_advantages
+from gearlab.credit.options import option
+from gearlab.core.grpo import group_advantages
 
 NORMS = ("reward_to_go", "zero_fill", "per_turn")
 
@@ -132,6 +134,15 @@ def reverse_cumsum(x: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- the assigner
+@dataclass
+class MTGRPOOptions:
+    turn_coef: float = option(1.0, "weight of the turn-reward advantage")
+    norm: str = option("reward_to_go", "how turn rewards become advantages over K turns", choices=NORMS)
+    k2_compat: bool = option(False, "the source's 2-turn rule (only valid for K = 2)")
+    scale_by_std: bool = option(True, "divide turn advantages by the group std")
+    eps: float = option(1e-6, "std floor", lo=0.0)
+
+
 @register("mt_grpo")
 class MTGRPOAssigner(CreditAssigner):
     needs = frozenset()
@@ -140,17 +151,7 @@ class MTGRPOAssigner(CreditAssigner):
     preserves_mass = False
     keeps_zero_groups = False
 
-    def __init__(self, turn_coef: float = 1.0, norm: str = "reward_to_go", k2_compat: bool = False,
-                 scale_by_std: bool = True, eps: float = 1e-6):
-        if norm not in NORMS:
-            raise ValueError(f"mt_grpo: norm must be one of {', '.join(NORMS)}, got {norm!r}")
-        if eps < 0:
-            raise ValueError(f"mt_grpo: eps must be >= 0, got {eps}")
-        self.turn_coef = float(turn_coef)
-        self.norm = norm
-        self.k2_compat = bool(k2_compat)
-        self.scale_by_std = bool(scale_by_std)
-        self.eps = float(eps)
+    Options = MTGRPOOptions
 
     def setup(self, *, seed: int, total_steps: int, task: Any) -> None:
         require_multi_turn(task, "mt_grpo")

@@ -1,20 +1,23 @@
-"""OAR — Outcome-grounded Advantage Reshaping (Li et al., arXiv 2601.07408; methods.md §5).
+"""OAR — Outcome-grounded Advantage Reshaping (Li et al., arXiv 2601.07408; docs/credit/oar.md).
 
 Each reasoning token gets a weight from its saliency for the outcome distribution (OAR-G: input
 gradient × embedding, OAR-P: counterfactual masking; computed in gearlab.saliency), turned into
-weights by the bi-level reshaping of §5.4; A_{i,t} = A_i · w_t · m_t, with w = 1 outside the
+weights by the bi-level reshaping (docs/credit/oar.md#bi-level-reshaping); A_{i,t} = A_i · w_t · m_t, with w = 1 outside the
 reasoning span. The weights are positive, so signs are kept; with ``sum_to_L`` the reasoning
 weights sum to the number L of reasoning tokens, so Σ_t A_{i,t} = N_i · A_i.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit.options import option
+from gearlab.signals.saliency import ANCHORS, PFINAL_MODES
 
 __all__ = ["bilevel_weights", "OARGAssigner", "OARPAssigner"]
 
@@ -35,7 +38,7 @@ def _row_quantile(values: Tensor, mask: Tensor, q: float) -> Tensor:
 
 def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.5, beta: float = 1.0,
                     floor: float = 0.1, sum_to_L: bool = True) -> Tensor:
-    """Bi-level reshaping weights (methods.md §5.4) [B, T] float32; 1.0 outside the reasoning span.
+    """Bi-level reshaping weights (docs/credit/oar.md#bi-level-reshaping) [B, T] float32; 1.0 outside the reasoning span.
 
     Per sequence, over its L reasoning tokens: ŝ = log1p(s) (s clamped at 0); n = min-max
     normalised ŝ (range taken as 1 when ŝ is constant, so n = 0); τ = the q-quantile of n;
@@ -45,7 +48,7 @@ def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.5,
 
     τ uses the per-sequence quantile level q. The released code instead overwrites its threshold
     variable with the first sequence's τ, so later sequences use the previous τ as quantile level
-    (methods.md §5.4); that drift is deliberately not reproduced.
+    (docs/credit/oar.md#the-released-threshold-drift); that drift is deliberately not reproduced.
     """
     m = reasoning_mask.bool()
     s = saliency.float().clamp(min=0.0).log1p()
@@ -66,6 +69,30 @@ def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.5,
     return torch.where(m, w, torch.ones_like(w))
 
 
+@dataclass
+class OAROptions:
+    """Options shared by OAR-G and OAR-P (docs/credit/oar.md#options)."""
+
+    q: float = option(0.5, "quantile level of the per-sequence saliency threshold", lo=0.0, hi=1.0)
+    beta: float = option(1.0, "strength of the bi-level reshaping", lo=0.0)
+    floor: float = option(0.1, "smallest weight of a low-saliency reasoning token", lo=0.0)
+    sum_to_L: bool = option(True, "rescale reasoning weights to sum to the reasoning length (mass preserving)")
+    pfinal_mode: str = option("last", "which answer-token probability the saliency follows", choices=PFINAL_MODES)
+    answer_anchor: str = option("value", "where the final answer starts", choices=ANCHORS)
+
+
+@dataclass
+class OARGOptions(OAROptions):
+    saliency_noise: float = option(1e-3, "embedding noise of the input-gradient saliency (> 0: at 0 the gradient vanishes)",
+                                   lo=0.0, lo_open=True)
+
+
+@dataclass
+class OARPOptions(OAROptions):
+    perturb_stride: int = option(1, "perturb every k-th reasoning position", lo=1)
+    perturb_max_positions: int = option(64, "at most this many perturbed copies per response (0 = no cap)", lo=0)
+
+
 class _OARBase(CreditAssigner):
     """Shared reshaping; subclasses set ``needs`` and the saliency signal."""
 
@@ -73,22 +100,8 @@ class _OARBase(CreditAssigner):
     preserves_sign = True  # w > 0 (floor > 0) or A_{i,t} = 0
     preserves_mass = True  # with sum_to_L (set per instance below)
 
-    def __init__(self, q: float = 0.5, beta: float = 1.0, floor: float = 0.1, sum_to_L: bool = True,
-                 pfinal_mode: str = "last", answer_anchor: str = "value") -> None:
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"q must be in [0, 1], got {q}")
-        if floor < 0:
-            raise ValueError(f"floor must be ≥ 0, got {floor}")
-        if beta < 0:
-            raise ValueError(f"beta must be ≥ 0, got {beta}")
-        from gearlab.saliency import ANCHORS, PFINAL_MODES
-
-        if pfinal_mode not in PFINAL_MODES:
-            raise ValueError(f"pfinal_mode must be one of {PFINAL_MODES}, got {pfinal_mode!r}")
-        if answer_anchor not in ANCHORS:
-            raise ValueError(f"answer_anchor must be one of {ANCHORS}, got {answer_anchor!r}")
-        self.q, self.beta, self.floor, self.sum_to_L = float(q), float(beta), float(floor), bool(sum_to_L)
-        self.pfinal_mode, self.answer_anchor = pfinal_mode, answer_anchor
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self.preserves_mass = self.sum_to_L
 
     def signal_options(self) -> dict[str, Any]:
@@ -117,17 +130,12 @@ class _OARBase(CreditAssigner):
 
 @register("oar_g")
 class OARGAssigner(_OARBase):
-    """OAR-G: reasoning-token weights from input-gradient saliency (methods.md §5.3)."""
+    """OAR-G: reasoning-token weights from input-gradient saliency (docs/credit/oar.md#oar-g-input-gradient-saliency)."""
 
     needs = frozenset({Signal.INPUT_GRAD_SALIENCY, Signal.REASONING_MASK})
     saliency_signal = Signal.INPUT_GRAD_SALIENCY
 
-    def __init__(self, q: float = 0.5, beta: float = 1.0, floor: float = 0.1, sum_to_L: bool = True,
-                 pfinal_mode: str = "last", answer_anchor: str = "value", saliency_noise: float = 1e-3) -> None:
-        super().__init__(q, beta, floor, sum_to_L, pfinal_mode, answer_anchor)
-        if saliency_noise <= 0:
-            raise ValueError(f"saliency_noise must be > 0 (at zero noise the KL gradient vanishes), got {saliency_noise}")
-        self.saliency_noise = float(saliency_noise)
+    Options = OARGOptions
 
     def signal_options(self) -> dict[str, Any]:
         return {**super().signal_options(), "saliency_noise": self.saliency_noise}
@@ -135,20 +143,12 @@ class OARGAssigner(_OARBase):
 
 @register("oar_p")
 class OARPAssigner(_OARBase):
-    """OAR-P: reasoning-token weights from counterfactual masking (methods.md §5.2)."""
+    """OAR-P: reasoning-token weights from counterfactual masking (docs/credit/oar.md#oar-p-counterfactual-masking)."""
 
     needs = frozenset({Signal.PERTURBATION_SALIENCY, Signal.REASONING_MASK})
     saliency_signal = Signal.PERTURBATION_SALIENCY
 
-    def __init__(self, q: float = 0.5, beta: float = 1.0, floor: float = 0.1, sum_to_L: bool = True,
-                 pfinal_mode: str = "last", answer_anchor: str = "value", perturb_stride: int = 1,
-                 perturb_max_positions: int = 64) -> None:
-        super().__init__(q, beta, floor, sum_to_L, pfinal_mode, answer_anchor)
-        if perturb_stride < 1:
-            raise ValueError(f"perturb_stride must be ≥ 1, got {perturb_stride}")
-        if perturb_max_positions < 0:
-            raise ValueError(f"perturb_max_positions must be ≥ 0 (0 = no cap), got {perturb_max_positions}")
-        self.perturb_stride, self.perturb_max_positions = int(perturb_stride), int(perturb_max_positions)
+    Options = OARPOptions
 
     def signal_options(self) -> dict[str, Any]:
         return {**super().signal_options(), "perturb_stride": self.perturb_stride,

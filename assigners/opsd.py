@@ -1,6 +1,6 @@
 """OPSD, sampled-token form: the token advantage is the teacher-minus-student log-prob gap.
 
-Method: On-Policy Self-Distillation (Zhao et al., arXiv 2601.18734), methods.md §6.1, the
+Method: On-Policy Self-Distillation (Zhao et al., arXiv 2601.18734; docs/credit/opsd.md), the
 ``--use_tinker_loss`` path of the authors' code (the full-vocabulary JSD path is not a per-token
 advantage and is not implemented here).
 
@@ -12,25 +12,38 @@ L = −mean_t Δ_t log π_S(y_t): the core's token-mean clipped surrogate has th
 
 Provenance of each part:
   * Δ on generated tokens, detached, same temperature for both: [SRC].
-  * No outcome reward (outcome_coef = 0): [SRC] OPSD is self-distillation only (methods.md §6.2
-    §4.3 relation: OPSD with reverse KL ≙ Â_t = Δ_t). outcome_coef > 0 gives a GRPO+OPSD sum
+  * No outcome reward (outcome_coef = 0): [SRC] OPSD is self-distillation only (docs/credit/rlsd.md#relation-to-opsd-and-grpo
+    relation (docs/credit/rlsd.md#relation-to-opsd-and-grpo): OPSD with reverse KL ≙ Â_t = Δ_t). outcome_coef > 0 gives a GRPO+OPSD sum
     [PROPOSED option, not a source method].
   * coef = 1: [SRC] (no scale in the source loss).
   * clip = None: [SRC] the source has no clipping on this path ("can be unstable"); a positive value
     clamps Δ to [−clip, clip] [PROPOSED option].
   * π_S = π_old (Signal.LOGPROBS) [INF]: the source uses the current student forward, detached; the
-    two coincide for on-policy μ = 1 updates (methods.md §9b).
+    two coincide for on-policy μ = 1 updates (docs/credit/README.md#shared-settings-for-comparisons).
   * Teacher context "solution" (full reference solution; the task falls back to the answer when it
-    has none): [SRC] and §9b.
-  * Teacher weights "live" (the current policy): [PROPOSED] §9b shared setting. The source's main runs
+    has none): [SRC] and docs/credit/README.md#shared-settings-for-comparisons.
+  * Teacher weights "live" (the current policy): [PROPOSED] shared setting (docs/credit/README.md#shared-settings-for-comparisons). The source's main runs
     use a FIXED teacher (θ₀): set teacher_mode="frozen", teacher_sync_every=0 to reproduce it [SRC].
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit.options import option
+
+
+@dataclass
+class OPSDOptions:
+    coef: float = option(1.0, "scale of the distillation advantage log π_T − log π_S")
+    outcome_coef: float = option(0.0, "weight of the GRPO outcome advantage added to it (0 = pure distillation)")
+    clip: float | None = option(None, "clip |A_t| at this value (None = no clip)", lo=0.0, lo_open=True)
+    teacher_mode: str = option("live", "teacher weights: the current policy, a frozen copy, or an EMA",
+                               choices=("live", "frozen", "ema"))
+    teacher_sync_every: int = option(0, "teacher_mode=frozen: re-sync every k iterations (0 = never)", lo=0)
+    teacher_context: str = option("solution", "privileged context the teacher sees", choices=("answer", "solution"))
 
 
 @register("opsd")
@@ -40,22 +53,7 @@ class OPSDAssigner(CreditAssigner):
     preserves_mass = False
     keeps_zero_groups = False  # pure distillation: Δ ≠ 0 even where A_i = 0
 
-    def __init__(self, coef: float = 1.0, outcome_coef: float = 0.0, clip: float | None = None,
-                 teacher_mode: str = "live", teacher_sync_every: int = 0, teacher_context: str = "solution") -> None:
-        if clip is not None and not clip > 0:
-            raise ValueError(f"opsd: clip must be None or > 0, got {clip}")
-        if teacher_mode not in ("live", "frozen", "ema"):
-            raise ValueError(f"opsd: teacher_mode must be live, frozen or ema, got {teacher_mode!r}")
-        if teacher_context not in ("answer", "solution"):
-            raise ValueError(f"opsd: teacher_context must be 'answer' or 'solution', got {teacher_context!r}")
-        if int(teacher_sync_every) < 0:
-            raise ValueError(f"opsd: teacher_sync_every must be >= 0, got {teacher_sync_every}")
-        self.coef = float(coef)
-        self.outcome_coef = float(outcome_coef)
-        self.clip = None if clip is None else float(clip)
-        self.teacher_mode = teacher_mode
-        self.teacher_sync_every = int(teacher_sync_every)
-        self.teacher_context = teacher_context
+    Options = OPSDOptions
 
     def assign(self, batch: RolloutBatch, seq_advantages: Tensor, signals: dict[Signal, Tensor]) -> CreditOutput:
         mask = batch.response_mask  # [B, T] bool

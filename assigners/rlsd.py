@@ -1,6 +1,6 @@
 """RLSD: GRPO advantages reweighted per token by the privileged teacher's evidence, with a decaying mix.
 
-Method: RLVR with Self-Distillation (Yang et al., arXiv 2604.03128), methods.md §6.2, as in the authors'
+Method: RLVR with Self-Distillation (Yang et al., arXiv 2604.03128; docs/credit/rlsd.md), as in the authors'
 code (``_build_stgca_advantages`` and the λ schedule of the simple GRPO+RLSD trainer).
 
     Δ_{i,t} = sg( log π_T(y_t | x ⊕ answer, y_<t) − log π_S(y_t | x, y_<t) )          Eq. 13 [SRC]
@@ -19,23 +19,35 @@ sign(A_i) and A_i = 0 stays 0. Mass is not preserved (the factor is not mean-one
 Defaults and provenance:
   * λ = 0.5, ε_w = 0.2, warm-up 0, decay over 60 steps: [SRC] released script. (The paper, via an
     aggregator [3P], decays over 50.)
-  * Teacher = frozen copy re-synced every K = 10 iterations: [PROPOSED] §9b (= the paper [3P]; the
+  * Teacher = frozen copy re-synced every K = 10 iterations: [PROPOSED] shared setting (= the paper [3P]; the
     released script uses 20 [SRC]). Teacher context = ground-truth answer [SRC].
   * negative_only (reweight only A_i < 0 sequences) [SRC option, off]; the thought-span-only option of
     the code is not implemented.
   * π_S = π_old (Signal.LOGPROBS) [INF]: the code detaches the log-probs of the update forward; the two
-    coincide for on-policy μ = 1 updates (§9b).
+    coincide for on-policy μ = 1 updates (docs/credit/README.md#shared-settings-for-comparisons).
   * decay_steps = None → decay over setup(total_steps) [PROPOSED convenience].
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit.options import option
+
+
+@dataclass
+class RLSDOptions:
+    lam: float = option(0.5, "initial weight λ of the teacher-evidence reweighting", lo=0.0, hi=1.0)
+    clip_eps: float = option(0.2, "the reweighting factor is clipped to [1−ε, 1+ε]", lo=0.0, hi=1.0, hi_open=True)
+    decay_steps: int | None = option(60, "λ decays linearly to 0 over this many iterations (None: the whole run)", lo=0)
+    warmup_steps: int = option(0, "iterations of plain GRPO before the reweighting starts", lo=0)
+    teacher_sync_every: int = option(10, "the frozen teacher is re-synced every k iterations", lo=0)
+    negative_only: bool = option(False, "reweight only negative-advantage sequences")
 
 
 @register("rlsd")
@@ -46,20 +58,10 @@ class RLSDAssigner(CreditAssigner):
     teacher_mode = "frozen"
     teacher_context = "answer"
 
-    def __init__(self, lam: float = 0.5, clip_eps: float = 0.2, decay_steps: int | None = 60, warmup_steps: int = 0,
-                 teacher_sync_every: int = 10, negative_only: bool = False) -> None:
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"rlsd: lam must be in [0, 1], got {lam}")
-        if not 0.0 <= clip_eps < 1.0:
-            raise ValueError(f"rlsd: clip_eps must be in [0, 1), got {clip_eps}")
-        if (decay_steps is not None and int(decay_steps) < 0) or int(warmup_steps) < 0 or int(teacher_sync_every) < 0:
-            raise ValueError("rlsd: decay_steps, warmup_steps and teacher_sync_every must be >= 0")
-        self.lam = float(lam)
-        self.clip_eps = float(clip_eps)
-        self.decay_steps = None if decay_steps is None else int(decay_steps)
-        self.warmup_steps = int(warmup_steps)
-        self.teacher_sync_every = int(teacher_sync_every)
-        self.negative_only = bool(negative_only)
+    Options = RLSDOptions
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self.steps_done = 0  # optimizer iterations completed (from on_step_end)
         self.total_steps: int | None = None
 

@@ -21,7 +21,7 @@ HELP = textwrap.dedent("""\
       warmstart   supervised warm-start of the embedded tiny model on the embedded task
       train       GRPO training; the credit method is `assigner=NAME`
       eval        greedy accuracy and pass@k of a model or checkpoint on a task's test split
-      assigners   list the registered credit assigners
+      assigners [NAME]  list the registered credit assigners; with NAME: its options, defaults and docs
       check-assigner NAME [overrides]   run the contract kit on a credit method (exit 1 if it fails)
       new-assigner NAME                 write assigners/NAME.py, conf/assigner/NAME.yaml and its test
       inspect     run several assigners on one sampled batch; write credit.json, credit.html, credit.png
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             print("gearlab: error: usage: gearlab report COMPARISON [compare.metric=...] [compare.target=0.5]", file=sys.stderr)
             return 2
         overrides = [f"compare.name={overrides[0]}", *overrides[1:]]
+    if cmd == "assigners" and overrides and "=" not in overrides[0]:
+        return _describe_assigner(overrides[0], overrides[1:])
     if cmd == "compare":  # short forms: assigners=[...] seeds=[...] workers=N
         short = {"assigners": "compare.assigners", "seeds": "compare.seeds", "workers": "compare.workers", "name": "compare.name"}
         overrides = [f"{short[o.split('=', 1)[0]]}={o.split('=', 1)[1]}" if o.split("=", 1)[0] in short else o for o in overrides]
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(overrides)
         if cmd == "compare":
-            from gearlab.compare import compare
+            from gearlab.commands.compare import compare
 
             base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name="))]
             res = compare(cfg, base)
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(cfg) -> int:
-    from gearlab.export import export
+    from gearlab.commands.export import export
 
     print(f"exported: {export(cfg)}")
     return 0
@@ -156,7 +158,7 @@ def compare_summary(cfg) -> str:
     """The closing lines of ``gearlab compare``: where the runs are and the commands to look at them."""
     from pathlib import Path
 
-    from gearlab.tracking import tracking_uri
+    from gearlab.trainer.tracking import tracking_uri
 
     name, base, seed = cfg.compare.name, cfg.compare.baseline, cfg.compare.seeds[0]
     model = Path(cfg.trainer.output_dir) / name / f"{base}-s{seed}" / "final"
@@ -169,7 +171,7 @@ def compare_summary(cfg) -> str:
 
 
 def _train(cfg) -> int:
-    from gearlab.train import train
+    from gearlab.trainer.train import train
 
     res = train(cfg)
     m = res.metrics
@@ -210,7 +212,7 @@ def train_summary(res, argv: list[str]) -> str:
 
 
 def _warmstart(cfg) -> int:
-    from gearlab.train import WARMSTARTED, embedded_dir, run_warmstart
+    from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
 
     out = run_warmstart(cfg)
     print(json.dumps(out, indent=2, default=str))
@@ -220,7 +222,7 @@ def _warmstart(cfg) -> int:
 
 
 def _eval(cfg) -> int:
-    from gearlab.evaluate import evaluate
+    from gearlab.commands.evaluate import evaluate
 
     res = evaluate(cfg)
     print(json.dumps(res, indent=2))
@@ -230,7 +232,7 @@ def _eval(cfg) -> int:
 def _new_assigner(args: list[str]) -> int:
     from pathlib import Path
 
-    from gearlab.scaffold import new_assigner
+    from gearlab.credit.scaffold import new_assigner
 
     if len(args) != 1:
         print("gearlab: error: usage: gearlab new-assigner NAME", file=sys.stderr)
@@ -249,7 +251,7 @@ def _new_assigner(args: list[str]) -> int:
 def _check_assigner(cfg) -> int:
     from gearlab import credit
     from gearlab.config import ConfigError
-    from gearlab.contract import check_assigner
+    from gearlab.credit.contract import check_assigner
 
     for spec in cfg.assigner.plugins:
         credit.load_module(spec)
@@ -268,8 +270,8 @@ def _check_assigner(cfg) -> int:
 def _report(cfg) -> int:
     from pathlib import Path
 
-    from gearlab.report import build_report
-    from gearlab.tracking import tracking_uri
+    from gearlab.commands.report import build_report
+    from gearlab.trainer.tracking import tracking_uri
 
     try:
         rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric, baseline=cfg.compare.baseline,
@@ -286,7 +288,7 @@ def _report(cfg) -> int:
 
 
 def _replay(cfg) -> int:
-    from gearlab.replay import replay
+    from gearlab.commands.replay import replay
 
     out = replay(cfg)
     for k, v in out.items():
@@ -295,11 +297,38 @@ def _replay(cfg) -> int:
 
 
 def _inspect(cfg) -> int:
-    from gearlab.inspect import inspect
+    from gearlab.commands.inspect import inspect
 
     out = inspect(cfg)
     for k, v in out.items():
         print(f"{k}: {v}")
+    return 0
+
+
+def _describe_assigner(name: str, overrides: list[str]) -> int:
+    """``gearlab assigners NAME``: the method's signals, promises and every option with its type, default and doc."""
+    from gearlab import credit
+    from gearlab.config import load_config
+    from gearlab.credit.options import describe_options
+
+    cfg = load_config(overrides)
+    for spec in cfg.assigner.plugins:
+        credit.load_module(spec)
+    try:
+        cls = credit.get(name)
+    except KeyError as e:
+        print(f"gearlab: error: {str(e).strip(chr(34))}", file=sys.stderr)
+        return 2
+    doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+    promises = [p for p in ("preserves_sign", "preserves_mass", "requires_turns") if getattr(cls, p)]
+    print(f"{name}: {doc}")
+    print(f"  needs: {', '.join(sorted(str(getattr(s, 'value', s)) for s in cls.needs)) or '-'}"
+          f"   promises: {', '.join(promises) or '-'}   docs: docs/credit/")
+    rows = describe_options(cls.Options)
+    if not rows:
+        print("  options: none")
+    for opt, tp, default, text in rows:
+        print(f"  {opt:22s} {tp:14s} = {default!r:18s} {text}")
     return 0
 
 
@@ -308,7 +337,7 @@ def _assigners(cfg) -> int:
 
     for name in credit.available():
         cls = credit.get(name)
-        needs = ", ".join(sorted(s.value for s in cls.needs)) or "-"
+        needs = ", ".join(sorted(str(getattr(s, "value", s)) for s in cls.needs)) or "-"
         doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
         print(f"{name:14s} needs: {needs:30s} {doc}")
     return 0

@@ -36,12 +36,13 @@ class ModelConfig:
 class TaskConfig:
     name: str = "arith"
     options: dict[str, Any] = field(default_factory=dict)
+    plugins: list[str] = field(default_factory=list)  # task modules / .py files to import first (they register tasks)
     eval_problems: int = 64
 
 
 @dataclass
 class VLLMConfig:
-    """``rollout.engine=vllm`` (gearlab.vllm_engine): one colocated vLLM engine per training process."""
+    """``rollout.engine=vllm`` (gearlab.rollout.vllm): one colocated vLLM engine per training process."""
 
     weight_sync: str = "auto"  # auto (inplace on GPU, reload on CPU) | inplace | reload (rebuild from a saved checkpoint)
     bucket_mb: float = 512  # inplace sync: parameters are sent in buckets of at most this many MB
@@ -66,7 +67,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off: the sampled distribution is exactly softmax(logits / T)
     batch_size: int = 64  # sequences per generate() call
     # engine=hf: a static KV cache, compiled by transformers on GPUs (first call compiles for ~40 s, then decode
-    # steps are ~2.5× faster: gpu-notes.md); prompts are left-padded to a multiple of 64 so shapes recur
+    # steps are ~2.3× faster on an H100: experiments/bench/results/trl_vs_gearlab_h100.md); prompts are left-padded to a multiple of 64 so shapes recur
     static_cache: bool = False
     # multi-turn tasks only: max_new_tokens caps ONE policy turn
     max_turns: int = 0  # policy turns per episode; 0 = the task's default
@@ -76,7 +77,8 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """GRPO core (methods.md §1). Defaults follow verl except clip_high (DAPO's 0.28 is one override away)."""
+    """GRPO core (docs/grpo.md). Defaults follow verl, except that the dual clip is off (verl applies 3.0); DAPO's
+    clip_high 0.28 is one override away."""
 
     scale_by_std: bool = True
     std_scope: str = "group"  # group | batch (TRL scale_rewards="batch")
@@ -86,7 +88,7 @@ class AlgorithmConfig:
     clip_high: float = 0.2
     dual_clip: float | None = None
     # truncated importance sampling against the rollout engine (rollout.engine=vllm): each token's policy-gradient
-    # term × min(π_old / π_engine, tis_cap), detached (anchors.md §3 item 10); 0 = off
+    # term × min(π_old / π_engine, tis_cap), detached (docs/grpo.md#rollout-engine-mismatch-and-truncated-importance-sampling); 0 = off
     tis_cap: float = 0.0
     agg: str = "token-mean"
     loss_scale_factor: float | None = None
@@ -134,7 +136,7 @@ class TrainerConfig:
     strategy: str = "auto"
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (HF gradient checkpointing)
     # torch.compile each decoder layer for the cache-free forwards (update, log-probs, signals; decoding stays
-    # eager) and the log-prob head chunks: fuses the elementwise work between matmuls (gearlab.compiling)
+    # eager) and the log-prob head chunks: fuses the elementwise work between matmuls (gearlab.parallel.compiling)
     compile: bool = False
     cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state live on CPU (FSDP2 CPUOffloadPolicy)
     precision: str = "32-true"

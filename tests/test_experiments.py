@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gearlab import distributed
+from gearlab.parallel import distributed
 from gearlab.config import conf_dir, load_config
-from gearlab.train import preflight
+from gearlab.trainer.train import preflight
 
 PRESETS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 

@@ -2,6 +2,7 @@
 any directory, and installs no bare top-level ``assigners`` module."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -16,9 +17,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    # built from a copy of the tracked files: setuptools leaves a build/ folder in the source tree, and a stale
+    # one would put modules that no longer exist into later wheels
+    src = tmp_path_factory.mktemp("src")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, src / f)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, text=True)
+                    str(src)], check=True, capture_output=True, text=True)
     (whl,) = out.glob("gearlab-*.whl")
     return whl
 
@@ -58,7 +66,7 @@ def test_installed_wheel_works_from_any_directory(wheel, tmp_path):
         "from gearlab import credit\n"
         "cfg = load_config(['experiment=embedded', 'assigner=gear', 'task=arith_hard'])\n"
         "print(json.dumps({'file': gearlab.__file__, 'conf': str(conf_dir()), 'assigners': credit.available(),\n"
-        "  'gear_opts': dict(cfg.assigner.options), 'seeds': list(cfg.compare.seeds),\n"
+        "  'gear_opts': dict(cfg.assigner.options), 'seeds': list(cfg.compare.seeds), 'q_on': credit.build('gear').q_on,\n"
         "  'bare_assigners': importlib.util.find_spec('assigners') is not None}))\n"
     )
     out = subprocess.run([str(py), "-c", code], cwd=elsewhere, capture_output=True, text=True,
@@ -70,5 +78,5 @@ def test_installed_wheel_works_from_any_directory(wheel, tmp_path):
     assert res["file"].startswith(str(site)), res["file"]
     assert res["conf"].startswith(str(site)), res["conf"]
     assert {"grpo", "gear", "rlsd", "oar_g", "mt_grpo"} <= set(res["assigners"])
-    assert res["gear_opts"] and res["seeds"] == [0, 1, 2]
-    assert res["bare_assigners"] is False
+    assert res["gear_opts"] == {} and res["seeds"] == [0, 1, 2]  # the YAML sets no defaults: the class holds them
+    assert res["bare_assigners"] is False and res["q_on"] == 0.9

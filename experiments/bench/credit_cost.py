@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from gearlab import credit  # noqa: E402
-from gearlab.batch import RolloutBatch  # noqa: E402
-from gearlab.grpo import group_advantages, policy_loss  # noqa: E402
-from gearlab.inspect import assigner_options  # noqa: E402
-from gearlab.logprobs import response_hidden, token_logprobs  # noqa: E402
-from gearlab.signals import SignalProvider  # noqa: E402
+from gearlab.core.batch import RolloutBatch  # noqa: E402
+from gearlab.core.grpo import group_advantages, policy_loss  # noqa: E402
+from gearlab.commands.inspect import assigner_options  # noqa: E402
+from gearlab.core.logprobs import response_hidden, token_logprobs  # noqa: E402
+from gearlab.signals.provider import SignalProvider  # noqa: E402
 
 
 def sync(dev: torch.device) -> None:
@@ -68,12 +68,13 @@ def update_pass(model, batch: RolloutBatch, adv, micro: int, temperature: float,
 def cpu_setup(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gearlab.rollout import HFRolloutEngine, SamplingParams
-    from gearlab.tasks.base import get_task
+    from gearlab.rollout.hf import HFRolloutEngine
+    from gearlab.rollout.base import SamplingParams
+    from gearlab.tasks.registry import get_task
 
     d = Path(args.model_dir) if args.model_dir else ROOT / "runs" / "embedded" / "tiny-arith"
     if not d.is_dir():
-        from gearlab.warmstart import warmstart
+        from gearlab.models.warmstart import warmstart
 
         warmstart(d, task="arith")
     tok = AutoTokenizer.from_pretrained(d)
@@ -165,7 +166,7 @@ def main() -> None:
     for name in names:
         a = credit.build(name, assigner_options(name))
         if a.requires_turns:  # no signals; time assign on a synthetic multi-turn batch of the same size
-            from gearlab.contract import random_batch
+            from gearlab.credit.contract import random_batch
 
             mt = random_batch(0, groups=rb.batch_size // 4, group_size=4, T=rb.response_len, multi_turn=True)
             mt = mt.with_(**{k: v.to(dev) for k, v in vars(mt).items() if isinstance(v, torch.Tensor)})

@@ -8,9 +8,9 @@ mkdir -p "$OUT"
 for part in "$@"; do
   if [[ $part == parity ]]; then bash experiments/bench/gpu_parity_and_mfu.sh parity 2>&1 | tail -30; fi
   if [[ $part == packed ]]; then
-    python tests/distributed/parity_script.py "$OUT/q1.pt" 1 auto token-mean 8 gpu > /dev/null 2>&1
+    python tests/parallel/parity_script.py "$OUT/q1.pt" 1 auto token-mean 8 gpu > /dev/null 2>&1
     for s in fsdp2 fsdp1; do
-      python tests/distributed/parity_script.py "$OUT/q2_$s.pt" 2 $s token-mean 3 gpu packed > "$OUT/q2_$s.log" 2>&1 || tail -3 "$OUT/q2_$s.log"
+      python tests/parallel/parity_script.py "$OUT/q2_$s.pt" 2 $s token-mean 3 gpu packed > "$OUT/q2_$s.log" 2>&1 || tail -3 "$OUT/q2_$s.log"
     done
     python - "$OUT" <<'PY'
 import sys, torch
@@ -25,12 +25,12 @@ PY
   if [[ $part == resume ]]; then
     for s in fsdp1 fsdp2; do
       R="$OUT/resume_$s"; mkdir -p "$R"
-      python tests/distributed/resume_script.py "$R" $s init
+      python tests/parallel/resume_script.py "$R" $s init
       for ph in full stop resume; do
-        timeout 150 python tests/distributed/resume_script.py "$R" $s $ph > "$R/$ph.log" 2>&1 || { echo "$s $ph failed"; grep -B2 -A3 -m3 Error "$R/$ph.log" | tail -12; }
+        timeout 150 python tests/parallel/resume_script.py "$R" $s $ph > "$R/$ph.log" 2>&1 || { echo "$s $ph failed"; grep -B2 -A3 -m3 Error "$R/$ph.log" | tail -12; }
       done
       grep -h -m1 "resuming from" "$R/resume.log" | cut -c1-120
-      python tests/distributed/resume_script.py "$R" $s compare
+      python tests/parallel/resume_script.py "$R" $s compare
       rm -rf "$R"
     done
   fi

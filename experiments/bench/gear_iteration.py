@@ -42,11 +42,11 @@ def main() -> None:
     import lightning as L
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from gearlab import distributed
+    from gearlab.parallel import distributed
     from gearlab.config import load_config
     from gearlab.credit import build
-    from gearlab.data import PromptDataModule
-    from gearlab.module import GRPOModule
+    from gearlab.trainer.data import PromptDataModule
+    from gearlab.trainer.module import GRPOModule
 
     gpu = torch.cuda.is_available()
     cfg = load_config([f"trainer.devices={a.devices}", f"trainer.strategy={a.strategy}", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",

@@ -7,9 +7,9 @@ python -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v "WARNING: Running p
 export PYTHONPATH="$PWD" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 part="${1:-all}"
 if [[ "$part" == all || "$part" == parity ]]; then
-  python tests/distributed/parity_script.py "$OUT/p1.pt" 1 auto token-mean 8 gpu > "$OUT/p1.log" 2>&1 || tail -5 "$OUT/p1.log"
+  python tests/parallel/parity_script.py "$OUT/p1.pt" 1 auto token-mean 8 gpu > "$OUT/p1.log" 2>&1 || tail -5 "$OUT/p1.log"
   for s in fsdp2 ddp fsdp1; do
-    python tests/distributed/parity_script.py "$OUT/p2_$s.pt" 2 $s token-mean 3 gpu > "$OUT/p2_$s.log" 2>&1 || tail -5 "$OUT/p2_$s.log"
+    python tests/parallel/parity_script.py "$OUT/p2_$s.pt" 2 $s token-mean 3 gpu > "$OUT/p2_$s.log" 2>&1 || tail -5 "$OUT/p2_$s.log"
   done
   python - "$OUT" <<'PY'
 import sys, torch, json

@@ -21,7 +21,7 @@ import mlflow
 import torch
 
 from gearlab.config import load_config
-from gearlab.train import train
+from gearlab.trainer.train import train
 
 PHASES = ("rollout_s", "signals_credit_s", "update_s")
 
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
         # the warm-started model of `gearlab warmstart` run from this directory (made if missing)
         embedded = Path("runs/embedded/tiny-arith")
         if not embedded.is_dir():
-            from gearlab.train import run_warmstart
+            from gearlab.models.loading import run_warmstart
 
             run_warmstart(load_config(["trainer.output_dir=runs"]))
         base.append(f"model.name_or_path={embedded.resolve()}")

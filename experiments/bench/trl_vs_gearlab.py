@@ -15,7 +15,7 @@ cache), ``gearlab_static`` (``rollout.static_cache=true``: a static KV cache tha
 ``gearlab_static_compiled`` (the same plus ``trainer.compile=true``: compiled decoder layers and log-prob
 head for the training forwards), ``trl`` (TRL's defaults) and ``trl_static`` (TRL with
 ``cache_implementation="static"`` plus its generation config's ``disable_compile`` switched off after
-construction — not a TRL option, the tuning gpu-notes.md measured). Iteration 1 (compilation) is excluded by the median.
+construction — not a TRL option, the tuning described in docs/hardware.md#trl-decoding-tuning). Iteration 1 (compilation) is excluded by the median.
 """
 from __future__ import annotations
 
@@ -146,8 +146,8 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
 
     from gearlab.config import load_config
     from gearlab.credit import build
-    from gearlab.data import PromptDataModule
-    from gearlab.module import GRPOModule
+    from gearlab.trainer.data import PromptDataModule
+    from gearlab.trainer.module import GRPOModule
 
     # the weights are bf16 themselves; Lightning's precision stays 32-true (its bf16-true plugin would try to
     # cast the batch of prompt objects)

@@ -63,13 +63,13 @@ def main() -> None:
     import lightning as L
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from gearlab import distributed
-    from gearlab.batch import RolloutBatch
+    from gearlab.parallel import distributed
+    from gearlab.core.batch import RolloutBatch
     from gearlab.config import load_config
     from gearlab.credit import build
     from gearlab.models.tiny import build_tokenizer
-    from gearlab.module import GRPOModule
-    from gearlab.tasks.base import get_task
+    from gearlab.trainer.module import GRPOModule
+    from gearlab.tasks.registry import get_task
 
     gpu = torch.cuda.is_available()
     G, V = 8, 151_936

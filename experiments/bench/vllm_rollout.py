@@ -36,9 +36,10 @@ SHAPES = {
 
 def bench(shape: str, new: int, repeats: int) -> dict:
     from gearlab.models.tiny import build_tiny_model, build_tokenizer
-    from gearlab.rollout import HFRolloutEngine, SamplingParams
-    from gearlab.tasks.base import get_task
-    from gearlab.vllm_engine import VLLMGenerator
+    from gearlab.rollout.hf import HFRolloutEngine
+    from gearlab.rollout.base import SamplingParams
+    from gearlab.tasks.registry import get_task
+    from gearlab.rollout.vllm import VLLMGenerator
 
     tok = build_tokenizer()
     tok.padding_side = "left"
@@ -80,7 +81,7 @@ def bench(shape: str, new: int, repeats: int) -> dict:
     r, m, lp = gen.sample(model, ids[:8], mask[:8], SamplingParams(max_new_tokens=16), seed=9)
     sync_total = time.perf_counter() - t
     st = gen.stats()
-    from gearlab.logprobs import response_hidden, token_logprobs
+    from gearlab.core.logprobs import response_hidden, token_logprobs
 
     with torch.no_grad():
         h = response_hidden(model, torch.cat([ids[:8], r], 1), torch.cat([mask[:8].bool(), m], 1).long(), ids.shape[1], r.shape[1])

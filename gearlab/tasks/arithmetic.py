@@ -21,7 +21,8 @@ import hashlib
 import random
 import re
 
-from gearlab.tasks.base import Problem, Task, register_task
+from gearlab.tasks.base import Problem, Task
+from gearlab.tasks.registry import register_task
 
 __all__ = ["ArithmeticTask", "evaluate_chain"]
 

@@ -2,7 +2,8 @@
 
 A `Task` yields `Problem`s, turns one into chat messages for the policy (plain) or for the
 self-distillation teacher (privileged: the same question plus the ground-truth answer), and scores
-a completion with an outcome reward. Concrete tasks register themselves in `TASKS`.
+a completion with an outcome reward. Concrete tasks register themselves with ``@register_task``
+(``gearlab.tasks.registry``); this module knows none of them.
 """
 from __future__ import annotations
 
@@ -10,14 +11,11 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 __all__ = [
     "Problem",
     "Task",
-    "TASKS",
-    "register_task",
-    "get_task",
     "load_jsonl_problems",
     "privileged_suffix",
     "sample_cycling",
@@ -162,46 +160,3 @@ def sample_cycling(pool: list[Problem], n: int, key: str) -> list[Problem]:
         rng.shuffle(order)
         out += order[: n - len(out)]
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# registry
-
-TASKS: dict[str, type[Task]] = {}
-_DEFAULTS: dict[str, dict[str, Any]] = {}
-
-T = TypeVar("T", bound=type[Task])
-
-
-def register_task(name: str, **defaults: Any) -> Callable[[T], T]:
-    """Class decorator: register a Task class under `name`, with default constructor options.
-
-    The same class may be registered under several names with different defaults
-    (e.g. "arith" and "arith_hard"). Duplicate names are an error.
-    """
-
-    def deco(cls: T) -> T:
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is already registered ({TASKS[name].__name__})")
-        TASKS[name] = cls
-        _DEFAULTS[name] = dict(defaults)
-        return cls
-
-    return deco
-
-
-def get_task(name: str, **options: Any) -> Task:
-    """Instantiate the task registered as `name`; `options` override its registered defaults."""
-    if name not in TASKS:
-        _import_builtin_tasks()
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
-    kwargs = {**_DEFAULTS[name], **options}
-    task = TASKS[name](**kwargs)
-    task.name = name
-    return task
-
-
-def _import_builtin_tasks() -> None:
-    # Imported lazily so `base` has no dependency on concrete tasks (they import `base`).
-    from gearlab.tasks import arithmetic, fncall, jsonl, math, tool_arith  # noqa: F401

@@ -32,7 +32,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gearlab.tasks.base import Problem, Task, register_task, sample_cycling
+from gearlab.tasks.base import Problem, Task, sample_cycling
+from gearlab.tasks.registry import register_task
 
 __all__ = ["FunctionCallingTask", "load_fncall_rows", "parse_calls", "score_calls", "SAMPLE_PATH", "MalformedCall"]
 

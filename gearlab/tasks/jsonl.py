@@ -10,7 +10,8 @@ import random
 import re
 from pathlib import Path
 
-from gearlab.tasks.base import Problem, Task, load_jsonl_problems, register_task
+from gearlab.tasks.base import Problem, Task, load_jsonl_problems
+from gearlab.tasks.registry import register_task
 
 _ANSWER_RE = re.compile(r"Answer:\s*([^\n]+)")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -30,7 +30,8 @@ from math import isnan
 from pathlib import Path
 from typing import Any
 
-from gearlab.tasks.base import Problem, Task, register_task, sample_cycling
+from gearlab.tasks.base import Problem, Task, sample_cycling
+from gearlab.tasks.registry import register_task
 
 __all__ = ["SAMPLES", "MathTask", "last_boxed", "load_math_problems", "math_reward", "row_to_problem"]
 

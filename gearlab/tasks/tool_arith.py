@@ -27,7 +27,8 @@ import hashlib
 from gearlab.envs.base import Environment, StepResult
 from gearlab.envs.tools import call_tool, parse_call
 from gearlab.tasks.arithmetic import ArithmeticTask, evaluate_chain
-from gearlab.tasks.base import Problem, register_task
+from gearlab.tasks.base import Problem
+from gearlab.tasks.registry import register_task
 
 __all__ = ["ToolArithTask", "ToolArithEnv"]
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from gearlab import credit
-from gearlab.contract import assert_contract, check_assigner
+from gearlab.credit.contract import assert_contract, check_assigner
 from gearlab.credit import CreditAssigner, CreditOutput, Signal
 
 

@@ -1,9 +1,9 @@
-"""entropy_adv (methods.md §3.2): A_t = A + min(α·H_t, |A|/κ)."""
+"""entropy_adv (docs/credit/entropy_adv.md): A_t = A + min(α·H_t, |A|/κ)."""
 import pytest
 import torch
 
 from gearlab import credit
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import Signal
 
 E = Signal.ENTROPY

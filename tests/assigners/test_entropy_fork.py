@@ -1,10 +1,10 @@
-"""entropy_fork (methods.md §3.1): top-ρ entropy selection, both normalisers, both scopes."""
+"""entropy_fork (docs/credit/entropy_fork.md): top-ρ entropy selection, both normalisers, both scopes."""
 import pytest
 import torch
 
 from assigners.entropy_fork import top_fraction_mask
 from gearlab import credit
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import Signal
 
 E = Signal.ENTROPY

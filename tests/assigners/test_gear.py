@@ -1,4 +1,4 @@
-"""GEAR assigner (methods.md §2.5, PROPOSED reconstruction): hand-computed values on a tiny batch.
+"""GEAR assigner (docs/credit/gear.md, PROPOSED reconstruction): hand-computed values on a tiny batch.
 
 Defaults throughout unless a test says otherwise: full_kl divergence, q_on = 0.9, d_min = 0.05, local max,
 low_continues with q_h = 0.8 on the student entropy, l_max = 64, w = clip(exp(−sign(A)(g−1)), 0.5, 1.5),
@@ -9,7 +9,7 @@ sorted values v_0..v_{n−1}, pos = q·(n−1), Q = v[floor(pos)] + frac(pos)·(
 """
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from gearlab import credit
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import Signal
 
 from assigners.gear import GEARAssigner
@@ -418,10 +418,11 @@ def test_option_validation(opts, match):
         credit.build("gear", opts)
 
 
-def test_yaml_defaults_match_the_signature():
+def test_yaml_and_class_cannot_disagree_on_defaults():
+    """The defaults live in one place, the Options dataclass: the YAML names the method and sets none of them."""
     conf = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[2] / "conf" / "assigner" / "gear.yaml"))
-    assert conf["name"] == "gear"
-    sig = inspect.signature(GEARAssigner.__init__)
-    defaults = {k: p.default for k, p in sig.parameters.items() if k != "self"}
-    assert conf["options"] == defaults
+    assert conf["name"] == "gear" and conf["options"] == {}
+    defaults = {f.name: f.default for f in dataclasses.fields(GEARAssigner.Options)}
+    a = credit.build("gear", conf["options"])
+    assert {k: getattr(a, k) for k in defaults} == defaults and len(defaults) == 21
     assert "gear" in credit.available()

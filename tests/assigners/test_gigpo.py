@@ -10,9 +10,9 @@ import torch
 
 from gearlab import credit
 from tests.assigners.turn_batches import make_batch
-from gearlab.contract import assert_contract
-from gearlab.grpo import group_advantages
-from gearlab.tasks.base import get_task
+from gearlab.credit.contract import assert_contract
+from gearlab.core.grpo import group_advantages
+from gearlab.tasks.registry import get_task
 
 NAN = float("nan")
 

@@ -10,9 +10,9 @@ import torch
 
 from gearlab import credit
 from tests.assigners.turn_batches import make_batch
-from gearlab.contract import assert_contract
-from gearlab.grpo import group_advantages
-from gearlab.tasks.base import get_task
+from gearlab.credit.contract import assert_contract
+from gearlab.core.grpo import group_advantages
+from gearlab.tasks.registry import get_task
 
 NAN = float("nan")
 
@@ -176,7 +176,7 @@ def test_missing_or_malformed_turn_data_is_an_error():
         a.assign(b.with_(turn_rewards=torch.tensor([[1, NAN, 0], [1, 0, NAN], [0, NAN, NAN]])), K3_AO, {})
     with pytest.raises(ValueError, match="turn id 1"):  # row 1 generated turn 1 but has one reward
         a.assign(b.with_(turn_rewards=torch.tensor([[1, 1, 0], [1, NAN, NAN], [0, NAN, NAN]])), K3_AO, {})
-    with pytest.raises(ValueError, match="norm must be one of"):
+    with pytest.raises(ValueError, match="assigner.options.norm: 'bogus' is not one of"):
         credit.build("mt_grpo", {"norm": "bogus"})
 
 

@@ -1,4 +1,4 @@
-"""OAR bi-level reshaping (methods.md §5.4) and the oar_g / oar_p assigners."""
+"""OAR bi-level reshaping (docs/credit/oar.md#bi-level-reshaping) and the oar_g / oar_p assigners."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from gearlab import credit
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import Signal
 from assigners.oar import _row_quantile, bilevel_weights
 

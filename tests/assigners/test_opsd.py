@@ -1,9 +1,9 @@
-"""opsd (methods.md §6.1, sampled-token form): A_t = sg(log π_T(y_t) − log π_S(y_t))."""
+"""opsd (docs/credit/opsd.md, sampled-token form): A_t = sg(log π_T(y_t) − log π_S(y_t))."""
 import pytest
 import torch
 
 from gearlab import credit
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import Signal
 
 TL, SL = Signal.TEACHER_LOGPROBS, Signal.LOGPROBS

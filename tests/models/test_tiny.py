@@ -71,7 +71,7 @@ def test_default_model_size():
 
 
 def test_sft_masks_prompt_tokens():
-    from gearlab.warmstart import collate_sft, encode_sft_example
+    from gearlab.models.warmstart import collate_sft, encode_sft_example
 
     tok = build_tokenizer()
     task = ArithmeticTask()
@@ -87,7 +87,7 @@ def test_sft_masks_prompt_tokens():
 
 
 def test_mini_warmstart_lowers_loss(tmp_path):
-    from gearlab.warmstart import warmstart
+    from gearlab.models.warmstart import warmstart
 
     model_dir = make_tiny(tmp_path / "init", seed=0, **SMALL)
     res = warmstart(

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from gearlab.tasks.arithmetic import ArithmeticTask, evaluate_chain
-from gearlab.tasks.base import TASKS, Problem, get_task, load_jsonl_problems
+from gearlab.tasks.registry import TASKS, get_task
+from gearlab.tasks.base import Problem, load_jsonl_problems
 
 
 def test_problems_are_deterministic_and_seed_dependent():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gearlab.tasks.base import get_task
+from gearlab.tasks.registry import get_task
 from gearlab.tasks.fncall import load_fncall_rows, parse_calls, score_calls
 
 

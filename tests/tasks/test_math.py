@@ -9,7 +9,7 @@ import types
 import pandas as pd
 import pytest
 
-from gearlab.tasks.base import get_task
+from gearlab.tasks.registry import get_task
 from gearlab.tasks.math import (
     SAMPLES,
     last_boxed,

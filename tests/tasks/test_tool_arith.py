@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gearlab.tasks.base import get_task
+from gearlab.tasks.registry import get_task
 
 
 @pytest.fixture

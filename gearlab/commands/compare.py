@@ -1,0 +1,245 @@
+"""``gearlab compare``: a paired head-to-head of credit methods, recorded in MLflow.
+
+Every (assigner, seed) pair is one child training run. For a given seed all children start from
+the same checkpoint, see the same prompts in the same order (the data stream is a function of the
+seed) and draw their samples from the same per-step seeds, so the credit method is the only
+difference between two children of one seed. One MLflow experiment holds a parent run for the
+comparison and one child run per pair (tags ``comparison_id``, ``assigner``, ``seed``).
+Re-running the same command skips finished children and resumes a partial one from its checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import RunStatus
+from omegaconf import OmegaConf
+
+from gearlab import credit
+from gearlab.config import Config, ConfigError, flatten, load_config
+from gearlab.trainer.tracking import ensure_experiment, git_sha, record_versions, tracking_uri, version_tags
+
+
+@dataclass
+class Child:
+    assigner: str
+    seed: int
+    overrides: list[str]
+
+    @property
+    def label(self) -> str:
+        return f"{self.assigner}-s{self.seed}"
+
+
+def experiment_name(cfg: Config) -> str:
+    return f"compare/{cfg.compare.name}"
+
+
+def plan(cfg: Config, base_overrides: list[str], model_path: str, parent_id: str) -> list[Child]:
+    """Seed-major order, so an interrupted comparison has every method for its first seeds."""
+    out = []
+    for seed in cfg.compare.seeds:
+        for a in cfg.compare.assigners:
+            out.append(Child(a, seed, [*base_overrides, f"assigner={a}", f"trainer.seed={seed}",
+                                       f"model.name_or_path={model_path}",
+                                       f"trainer.run_name={cfg.compare.name}/{a}-s{seed}",
+                                       f"logging.experiment={experiment_name(cfg)}",
+                                       f"logging.tracking_uri={tracking_uri(cfg)}",
+                                       f"logging.tags.comparison_id={cfg.compare.name}",
+                                       f"logging.parent_run_id={parent_id}"]))
+    return out
+
+
+def find_runs(client: mlflow.MlflowClient, exp_id: str, comparison: str) -> tuple[object | None, dict[tuple[str, int], object]]:
+    """(parent run, {(assigner, seed): child run}) of a comparison."""
+    runs = client.search_runs([exp_id], f"tags.comparison_id = '{comparison}'", max_results=5000)
+    parent, children = None, {}
+    for r in runs:
+        if r.data.tags.get("gearlab.role") == "parent":
+            parent = r
+        elif "assigner" in r.data.tags:
+            children[(r.data.tags["assigner"], int(r.data.tags["seed"]))] = r
+    return parent, children
+
+
+def compare(cfg: Config, base_overrides: list[str]) -> dict:
+    from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
+    from gearlab.trainer.train import preflight
+
+    names = list(cfg.compare.assigners)
+    for spec in cfg.assigner.plugins:
+        credit.load_module(spec)
+    unknown = [n for n in names if n not in credit.available()]
+    if unknown:
+        raise ConfigError(f"key 'compare.assigners': unknown {unknown}; known: {', '.join(credit.available())}")
+    if not cfg.compare.seeds:
+        raise ConfigError("key 'compare.seeds': at least one seed is needed")
+    if cfg.compare.baseline not in names:
+        raise ConfigError(f"key 'compare.baseline': {cfg.compare.baseline!r} is not among compare.assigners {names}")
+    for a in names:  # every child's configuration is checked before any work
+        preflight(load_config([*base_overrides, f"assigner={a}"]))
+    # the shared initial checkpoint: made once, then every child points at the same folder
+    model_path = cfg.model.name_or_path
+    if model_path in WARMSTARTED:
+        d = embedded_dir(cfg, model_path)
+        if not (d / "config.json").is_file():
+            print(f"[compare] warm-starting the embedded model into {d}", flush=True)
+            run_warmstart(cfg)
+        model_path = str(d.resolve())
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    exp_id = ensure_experiment(tracking_uri(cfg), experiment_name(cfg), client)
+    parent, done = find_runs(client, exp_id, cfg.compare.name)
+    if parent is None:
+        parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
+            "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
+            "assigners": ",".join(names), "seeds": ",".join(map(str, cfg.compare.seeds)), "baseline": cfg.compare.baseline,
+            **version_tags()})
+        params = {k: str(v)[:6000] for k, v in flatten(cfg).items() if not k.startswith("assigner.")}
+        for k, v in params.items():
+            client.log_param(parent.info.run_id, k, v)
+        client.log_text(parent.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+    else:
+        client.update_run(parent.info.run_id, status="RUNNING")
+        record_versions(client, parent.info.run_id)  # a changed version is kept as "old -> new"
+    pid = parent.info.run_id
+    children = plan(cfg, base_overrides, model_path, pid)
+    todo = [c for c in children if not (c.assigner, c.seed) in done
+            or done[(c.assigner, c.seed)].info.status != RunStatus.to_string(RunStatus.FINISHED)]
+    print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} seeds), "
+          f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}", flush=True)
+    t_start, durations, failed, stopped = time.time(), [], [], []
+
+    def finish(c: Child, outcome: str, secs: float, err: str = "") -> None:
+        durations.append(secs)
+        left = len(todo) - len(durations)
+        eta = sum(durations) / len(durations) * left / max(1, cfg.compare.workers)
+        status = {"ok": "finished", "stopped": "stopped (resumes on re-run)"}.get(
+            outcome, f"FAILED ({err.strip().splitlines()[-1][:120] if err.strip() else 'error'})")
+        print(f"[compare] [{len(durations)}/{len(todo)}] {c.label:20s} {status} in {secs:.0f}s — ETA {eta / 60:.1f} min", flush=True)
+        if outcome == "stopped":
+            stopped.append(c.label)
+        elif outcome != "ok":
+            failed.append(c.label)
+            _mark_failed(client, exp_id, cfg.compare.name, c, err)
+
+    # fixed by the config when given (results then do not depend on the machine's core count)
+    threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // max(1, cfg.compare.workers))
+    logs = Path(cfg.trainer.output_dir) / cfg.compare.name
+    try:
+        if cfg.compare.workers <= 1:
+            for c in todo:
+                outcome, err, secs = run_child(c.overrides)
+                finish(c, outcome, secs, err)
+                if outcome == "stopped":
+                    raise KeyboardInterrupt
+        else:
+            _run_pool(todo, cfg.compare.workers, threads, logs, finish)
+    except KeyboardInterrupt:
+        print(f"[compare] interrupted: {len(durations)}/{len(todo)} runs done, {len(stopped)} stopped at an iteration "
+              f"boundary; run the same command to resume (finished runs are kept, stopped ones resume)", flush=True)
+        client.set_terminated(pid, "KILLED")
+        return {"failed": failed, "stopped": stopped, "interrupted": True, "report": None, "plot": None}
+    from gearlab.commands.report import build_report
+
+    rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric, baseline=cfg.compare.baseline,
+                       target=cfg.compare.target, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
+    client.set_terminated(pid, "FINISHED" if not failed else "FAILED")
+    print(rep.table)
+    print(f"[compare] {len(children) - len(failed)}/{len(children)} runs finished in {(time.time() - t_start) / 60:.1f} min")
+    print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")
+    return {"failed": failed, "report": str(rep.markdown_path), "plot": str(rep.plot_path)}
+
+
+def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, float]:
+    """Train one child in this process: ("ok" | "stopped" | "failed", error text, seconds). With ``log``, the
+    child's console output (both file descriptors, so also library output) goes to that file instead."""
+    import traceback
+
+    from gearlab.trainer.train import train
+
+    t0 = time.time()
+    saved: tuple[int, int] | None = None
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        saved = os.dup(1), os.dup(2)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        res = train(load_config(overrides))
+        outcome, err = ("stopped" if res.stopped_early else "ok"), ""
+    except (Exception, SystemExit) as e:  # a crashed child is recorded and the comparison goes on
+        outcome, err = "failed", "".join(traceback.format_exception(e))[-4000:]
+    finally:
+        if saved is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    return outcome, err, time.time() - t0
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish) -> None:
+    """Run the children on ``workers`` long-lived processes (started once, so the ~10 s of imports are paid once
+    per worker, not once per child); each child's output goes to ``<output_dir>/<comparison>/<label>/train.log``.
+    On Ctrl-C the workers' children stop at an iteration boundary (gearlab.trainer.train.graceful_stop), the queued ones
+    are dropped, and KeyboardInterrupt is raised here."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # read at import by the workers
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                               initargs=(threads,))
+    try:
+        futures = {pool.submit(run_child, [*c.overrides, "trainer.progress_bar=false", f"trainer.threads={threads}"],
+                               str(logs / c.label / "train.log")): c for c in todo}
+        interrupted = False
+        for f in as_completed(futures):
+            try:
+                outcome, err, secs = f.result()
+            except Exception as e:  # the worker process itself died (e.g. killed): the pool is broken
+                outcome, err, secs = "failed", f"{type(e).__name__}: {e}", 0.0
+            finish(futures[f], outcome, secs, err)
+            if outcome == "stopped" and not interrupted:
+                interrupted = True
+                for g in futures:
+                    g.cancel()
+        if interrupted:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pool.shutdown(wait=True, cancel_futures=True)  # running children finish their iteration and checkpoint
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _mark_failed(client: mlflow.MlflowClient, exp_id: str, comparison: str, c: Child, err: str) -> None:
+    _, runs = find_runs(client, exp_id, comparison)
+    run = runs.get((c.assigner, c.seed))
+    if run is None:  # it died before its MLflow run existed: record a failed child anyway
+        run = client.create_run(exp_id, run_name=f"{comparison}/{c.label}", tags={
+            "comparison_id": comparison, "assigner": c.assigner, "seed": str(c.seed)})
+    client.set_tag(run.info.run_id, "error", err.strip()[-4000:] or "unknown error")
+    client.set_terminated(run.info.run_id, "FAILED")

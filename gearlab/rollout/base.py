@@ -1,0 +1,97 @@
+"""What every rollout engine shares: the sampling settings, the engine and token-generator protocols, the per-step
+seeds, stop tokens and the prompt padding helpers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from gearlab.core.batch import RolloutBatch
+from gearlab.tasks.base import Problem
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+
+@dataclass
+class RewardStats:
+    errors: int = 0
+
+
+class RolloutEngine(Protocol):
+    def generate(self, model: nn.Module, problems: Sequence[Problem], *, group_size: int, sampling: SamplingParams,
+                 seed: int, with_teacher: bool = False) -> RolloutBatch: ...
+
+
+@runtime_checkable
+class TokenGenerator(Protocol):
+    """An inference engine that turns prompt ids into sampled ids, used instead of HF ``generate`` on the policy
+    (``gearlab.rollout.vllm.VLLMGenerator``). The single- and multi-turn engines call ``sample``; the trainer
+    calls the other three around each iteration. Every method here is called: an engine implements all four."""
+
+    def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
+               seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Left-padded prompts [N, P] → (response ids [N, T] right-padded, mask [N, T] bool, the engine's
+        log-probs of the sampled tokens [N, T] float32 or None)."""
+        ...
+
+    def release(self) -> None:
+        """After the rollout, before the update: give back what the update needs (e.g. sleep, freeing GPU memory)."""
+        ...
+
+    def mark_stale(self) -> None:
+        """After an optimizer step: the policy's weights changed; sync them before the next ``sample``."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Metrics of the last weight sync / rollout, logged with the iteration (e.g. ``vllm/weight_sync_s``)."""
+        ...
+
+
+def step_seed(base_seed: int, step: int, rank: int = 0) -> int:
+    """A distinct, reproducible seed per (run seed, step, rank)."""
+    return (base_seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
+
+
+STATIC_PAD = 64
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS and the ChatML end tokens it knows."""
+    ids = {tokenizer.eos_token_id}
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+def idle_prompt(prompt_ids: Tensor, pad_id: int) -> Tensor:
+    """One prompt row for a rank with nothing to generate (a real row if there is one)."""
+    return prompt_ids[:1] if prompt_ids.shape[0] else torch.full((1, 1), pad_id, dtype=torch.long)
+
+
+def pad_left_to(ids: Tensor, mask: Tensor, multiple: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad [N, P] prompts to the next multiple of ``multiple`` positions (masked: same samples)."""
+    extra = -ids.shape[1] % multiple
+    if not extra:
+        return ids, mask
+    return (torch.nn.functional.pad(ids, (extra, 0), value=pad_id), torch.nn.functional.pad(mask, (extra, 0), value=0))
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask

@@ -1,0 +1,130 @@
+"""SignalProvider: computes, without gradient, exactly the per-token signals an assigner declared.
+
+The student pass (policy on prompt ⊕ response) gives old log-probs and, if asked, entropy; the
+teacher pass (the SAME weights on the privileged prompt ⊕ the same response token ids, never
+re-tokenised; docs/credit/README.md#the-teacher) gives teacher log-probs and, with the student's hidden states,
+the full-vocabulary KL. Nobody asked → no teacher forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gearlab.core.batch import RolloutBatch
+from gearlab.core.logprobs import response_hidden, token_kl, token_logprobs
+from gearlab.signals.registry import PASS_SIGNALS, TEACHER_SIGNALS, Signal, SignalContext, get_signal, signal_name
+
+
+@dataclass
+class PolicyPass:
+    """Outputs of one no-grad policy pass over a rollout batch (all [B, T] float32)."""
+
+    logprobs: Tensor
+    entropy: Tensor | None
+
+
+class SignalProvider:
+    """Computes signals for a batch in micro-batches of ``micro_batch_size`` sequences.
+
+    ``teacher`` is the model scoring the privileged prompt; None = the policy itself (live teacher).
+    """
+
+    def __init__(self, model: nn.Module, *, temperature: float, chunk_size: int = 256, micro_batch_size: int = 16,
+                 tokenizer: Any = None, packed: bool = False, compiled: bool = False) -> None:
+        self.model = model
+        self.compiled = compiled  # the log-prob / KL head chunks through torch.compile (trainer.compile)
+        self.packed = packed  # padding-free forwards (gearlab.core.logprobs.response_hidden)
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+        self.micro_batch_size = micro_batch_size
+        self.tokenizer = tokenizer
+
+    def _hidden(self, model: nn.Module, b: RolloutBatch, teacher: bool) -> Tensor:
+        if not teacher:
+            return response_hidden(model, b.input_ids(), b.full_attention_mask(), b.prompt_ids.shape[1], b.response_len,
+                                   packed=self.packed)
+        if b.teacher_prompt_ids is None:
+            raise ValueError("a teacher signal was requested but the batch has no teacher_prompt_ids (privileged prompt)")
+        ids = torch.cat([b.teacher_prompt_ids, b.response_ids], dim=1)
+        mask = torch.cat([b.teacher_prompt_mask.bool(), b.attention_mask], dim=1).long()
+        return response_hidden(model, ids, mask, b.teacher_prompt_ids.shape[1], b.response_len, packed=self.packed)
+
+    def _micro(self, batch: RolloutBatch):
+        for s in range(0, batch.batch_size, self.micro_batch_size):
+            yield batch.select(torch.arange(s, min(s + self.micro_batch_size, batch.batch_size)))
+
+    def compute(self, batch: RolloutBatch, needs: frozenset[Signal] | set[Signal], *, with_logprobs: bool = True,
+                teacher: nn.Module | None = None, options: dict[str, Any] | None = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
+        """Returns (student log-probs/entropy or None, {signal: [B, T] float32}) for exactly ``needs``.
+
+        Student and teacher passes run without gradient, micro-batched; values at masked positions are 0.
+        """
+        needs = frozenset(needs)
+        extra = [s for s in needs if signal_name(s) not in PASS_SIGNALS]
+        with_logprobs = with_logprobs or Signal.LOGPROBS in needs
+        signals = self._passes(batch, needs, with_logprobs, teacher)
+        ppass = None
+        if with_logprobs:
+            ppass = PolicyPass(signals.pop("_logprobs"), signals.get(Signal.ENTROPY))
+            if Signal.LOGPROBS in needs:
+                signals[Signal.LOGPROBS] = ppass.logprobs
+        if extra:
+            try:
+                fns = {s: get_signal(s).fn for s in extra}
+            except KeyError as e:
+                raise ValueError(str(e).strip('"')) from None
+            ctx = SignalContext(self.model, self.tokenizer, batch, self.temperature, self.chunk_size,
+                                self.micro_batch_size, dict(options or {}))
+            m = batch.response_mask.float()
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                for sig in sorted(extra, key=signal_name):
+                    signals[sig] = fns[sig](ctx).detach().float() * m
+            finally:
+                self.model.train(was_training)
+        return ppass, signals
+
+    @torch.no_grad()
+    def _passes(self, batch: RolloutBatch, needs: frozenset[Signal], with_logprobs: bool, teacher: nn.Module | None) -> dict:
+        want_entropy = Signal.ENTROPY in needs
+        want_teacher = any(signal_name(s) in TEACHER_SIGNALS for s in needs)
+        if not (with_logprobs or want_entropy or want_teacher):
+            return {}
+        tmodel = self.model if teacher is None else teacher
+        models = {id(self.model): self.model, id(tmodel): tmodel}
+        modes = {k: m.training for k, m in models.items()}
+        for m in models.values():
+            m.eval()
+        head, thead = self.model.get_output_embeddings(), tmodel.get_output_embeddings()
+        out: dict[Any, list[Tensor]] = {}
+        kw = dict(temperature=self.temperature, chunk_size=self.chunk_size, compiled=self.compiled)
+        try:
+            for mb in self._micro(batch):
+                hs = self._hidden(self.model, mb, teacher=False)
+                lp, ent = token_logprobs(hs, head, mb.response_ids, with_entropy=want_entropy, **kw)
+                out.setdefault("_logprobs", []).append(lp)
+                if want_entropy:
+                    out.setdefault(Signal.ENTROPY, []).append(ent)
+                if not want_teacher:
+                    continue
+                ht = self._hidden(tmodel, mb, teacher=True)
+                if needs & {Signal.TEACHER_LOGPROBS, Signal.TEACHER_ENTROPY}:
+                    tlp, tent = token_logprobs(ht, thead, mb.response_ids, with_entropy=Signal.TEACHER_ENTROPY in needs, **kw)
+                    out.setdefault(Signal.TEACHER_LOGPROBS, []).append(tlp)
+                    if tent is not None:
+                        out.setdefault(Signal.TEACHER_ENTROPY, []).append(tent)
+                if Signal.TEACHER_KL in needs:
+                    out.setdefault(Signal.TEACHER_KL, []).append(token_kl(hs, ht, head, teacher_head=thead, **kw))
+        finally:
+            for k, m in models.items():
+                m.train(modes[k])
+        m = batch.response_mask.float()
+        res = {k: torch.cat(v) * m for k, v in out.items()}
+        if Signal.TEACHER_LOGPROBS not in needs:
+            res.pop(Signal.TEACHER_LOGPROBS, None)
+        return res
+

@@ -1,0 +1,376 @@
+"""The GRPO recipe as a LightningModule (manual optimisation).
+
+One ``training_step`` = one RL iteration:
+rollout → rewards → group advantages → signals the assigner declared → token advantages →
+``ppo_epochs × mini_batches`` optimizer steps, each accumulated over micro-batches with the loss
+normalised by the GLOBAL token/sequence count of the optimizer step (all micro-batches, all ranks).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+import zlib
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from gearlab.core import grpo
+from gearlab.core.batch import RolloutBatch
+from gearlab.config import Config
+from gearlab.credit import CreditAssigner
+from gearlab.parallel.distributed import gathered_for_generation, global_max_int, is_fsdp1
+from gearlab.core.logprobs import response_hidden, token_logprobs
+from gearlab.core.metrics import pass_at_k
+from gearlab.rollout.base import SamplingParams, step_seed
+from gearlab.rollout.factory import engine_from_config
+from gearlab.signals.provider import SignalProvider
+from gearlab.trainer.teacher import Teacher, needs_teacher
+from gearlab.tasks.base import Task
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class GRPOModule(L.LightningModule):
+    def __init__(self, cfg: Config, policy: nn.Module, tokenizer: Any, task: Task, assigner: CreditAssigner) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.cfg = cfg
+        self.policy = policy.train()  # from_pretrained returns eval mode
+        if cfg.trainer.activation_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.tokenizer = tokenizer
+        self.task = task
+        self.assigner = assigner
+        self.ref_policy: nn.Module | None = None
+        self.ref_signals: SignalProvider | None = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
+                                              chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size,
+                                              packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
+        self.engine = engine_from_config(tokenizer, task, cfg, training=True)
+        self.generator = self.engine.generator  # None: HF generate on the policy; else e.g. a colocated vLLM engine
+        self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
+                                      micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer,
+                                      packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
+        self.teacher = Teacher(policy, assigner)
+        self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                       top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.iterations_done = 0
+        self.interrupted = False  # set by a signal handler (gearlab.trainer.train.graceful_stop): stop at the next boundary
+        self.nonfinite_streak = 0
+        self.totals = {"nonfinite_steps": 0, "reward_errors": 0, "generated_tokens": 0}
+        self.m_reward, self.m_acc, self.m_pass = MeanMetric(), MeanMetric(), MeanMetric()
+
+    # -- Lightning plumbing -------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """FSDP2 (``ModelParallelStrategy``): shard the policy and any frozen copy (reference, teacher)
+        over the data-parallel mesh; FSDP1: wrap them; ``trainer.compile``: compile their decoder layers.
+        Called by Lightning once per process, before the optimizers."""
+        if self.cfg.trainer.compile:  # after the copies were made (a deepcopy would share compiled methods)
+            from gearlab.parallel.compiling import compile_decoder_layers
+
+            for m in (self.policy, self.ref_policy, self.teacher.copy):
+                if m is not None:
+                    compile_decoder_layers(m)
+        if getattr(self, "_sharded", False):
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            self._wrap_fsdp1()
+            return
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return
+        from gearlab.parallel.distributed import shard_fsdp2
+
+        # trainer.precision=bf16-mixed: bf16 compute, fp32 gradient reduction, master weights in the loaded dtype
+        bf16 = self.cfg.trainer.precision.startswith("bf16") and self.device.type == "cuda"
+        models = [m for m in (self.policy, self.ref_policy, self.teacher.copy) if m is not None]
+        shard_fsdp2(models, mesh["data_parallel"], bf16=bf16, cpu_offload=self.cfg.trainer.cpu_offload)
+        self._sharded = True
+        self.engine.synced_gpus = mesh["data_parallel"].size() > 1  # every rank steps generate() together
+
+    def _wrap_fsdp1(self) -> None:
+        """FSDP1 (trainer.strategy=fsdp1): wrap the policy and any frozen copy, and point every holder of
+        the policy (signals, teacher) at the wrapper — FSDP1 wraps, where FSDP2 shards in place."""
+        from gearlab.parallel.distributed import wrap_fsdp1
+
+        bf16 = self.cfg.trainer.precision.startswith("bf16")
+        dev = self.trainer.strategy.root_device  # (the module itself is still on the CPU here)
+        self.policy = wrap_fsdp1(self.policy, dev, bf16=bf16)
+        self.signals.model = self.policy
+        self.teacher.policy = self.policy
+        if self.teacher.copy is not None:
+            self.teacher.copy = wrap_fsdp1(self.teacher.copy, dev, bf16=bf16)
+        if self.ref_policy is not None:
+            self.ref_policy = wrap_fsdp1(self.ref_policy, dev, bf16=bf16)
+            self.ref_signals.model = self.ref_policy
+        self._sharded = True
+        self.engine.synced_gpus = self.trainer.world_size > 1
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # prompts are Python objects; tensors are made on the right device later
+
+    def configure_optimizers(self):
+        o = self.cfg.optim
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        total = self.cfg.trainer.max_steps * self.cfg.algorithm.ppo_epochs * self.cfg.algorithm.mini_batches
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
+        return [opt], [sched]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["gearlab"] = {"iterations_done": self.iterations_done, "nonfinite_streak": self.nonfinite_streak,
+                                 "totals": dict(self.totals), "assigner": self.assigner.state_dict(),
+                                 "teacher": self.teacher.state_dict(), "config": _to_container(self.cfg)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        st = checkpoint.get("gearlab", {})
+        self.iterations_done = st.get("iterations_done", 0)
+        self.nonfinite_streak = st.get("nonfinite_streak", 0)
+        self.totals.update(st.get("totals", {}))
+        self.assigner.load_state_dict(st.get("assigner", {}))
+        self.teacher.load_state_dict(st.get("teacher"))
+
+    # -- one RL iteration ---------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        it = batch["iteration"]
+        cfg, alg = self.cfg, self.cfg.algorithm
+        G = cfg.rollout.group_size
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        t0 = time.perf_counter()
+        # HF generate on a sharded policy: gather the weights once, not once per token (another engine holds its own copy)
+        with gathered_for_generation(self.policy) if self.generator is None else contextlib.nullcontext():
+            rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
+                                      seed=step_seed(cfg.trainer.seed, it, rank),
+                                      with_teacher=self.assigner.teacher_context if needs_teacher(self.assigner) else False,
+                                      group_offset=rank * len(batch["problems"]))
+        if self.generator is not None:
+            self.generator.release()  # e.g. vLLM sleeps: its GPU memory goes back to the update
+        rb = _to_device(rb, self.device)
+        seq_adv = grpo.group_advantages(rb.rewards, rb.group_ids, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
+                                        leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
+
+        t1 = time.perf_counter()
+        on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
+        ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy, teacher=self.teacher.model,
+                                              options={"seed": step_seed(cfg.trainer.seed, it, rank), **self.assigner.signal_options()})
+        if ppass is not None:
+            rb = rb.with_(old_logprobs=ppass.logprobs)
+        if self.ref_signals is not None:
+            rb = rb.with_(ref_logprobs=self.ref_signals.compute(rb, frozenset())[0].logprobs)
+
+        credit = self.assigner.assign(rb, seq_adv, signals)
+        adv = credit.token_advantages.to(self.device).float()
+        loss_mask = rb.response_mask if credit.loss_mask is None else (credit.loss_mask.bool() & rb.response_mask)
+        if adv.shape != rb.response_ids.shape:
+            raise ValueError(f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected {tuple(rb.response_ids.shape)}")
+
+        t2 = time.perf_counter()
+        upd = self._update(rb, adv, loss_mask, it)
+        if self.generator is not None:
+            self.generator.mark_stale()  # the next rollout first syncs the new weights into the engine
+            upd.update(self.generator.stats())
+        t3 = time.perf_counter()
+        upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
+        if cfg.trainer.compile:  # graphs compiled so far by this process: still growing late in a run = recompiling
+            from torch._dynamo.utils import counters
+
+            upd["compile/graphs_total"] = float(counters["stats"]["unique_graphs"])
+        self.iterations_done = it + 1
+        self.session_iterations = getattr(self, "session_iterations", 0) + 1
+        # a stop request (trainer.stop_after, or Ctrl-C / SIGTERM caught by gearlab.trainer.train) ends the run at this
+        # iteration boundary; every rank must agree, or the ranks' collectives would no longer match
+        stop = 0 < cfg.trainer.stop_after <= self.session_iterations or self.interrupted
+        if global_max_int(int(stop), self.device) and self.iterations_done < cfg.trainer.max_steps:
+            self.stopped_early = True
+            self.trainer.should_stop = True  # after this iteration's checkpoint (IterationCheckpoint saves it)
+        self.assigner.on_step_end(self.iterations_done)
+        self.teacher.after_iteration(self.iterations_done)
+        upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
+        self._log_iteration(rb, seq_adv, credit.metrics, upd)
+
+    def _update(self, rb: RolloutBatch, adv: Tensor, loss_mask: Tensor, it: int) -> dict[str, float]:
+        """ppo_epochs × mini_batches optimizer steps over the rollout; returns averaged diagnostics."""
+        alg = self.cfg.algorithm
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        B = rb.batch_size
+        mb_size = B // alg.mini_batches
+        logs: dict[str, list[float]] = {}
+        for epoch in range(alg.ppo_epochs):
+            g = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, it, 10_000 + epoch))
+            order = torch.randperm(B, generator=g) if alg.mini_batches > 1 else torch.arange(B)
+            for m in range(alg.mini_batches):
+                idx = order[m * mb_size : (m + 1) * mb_size].to(self.device)
+                # clamp: a mini-batch with no selected token has a zero loss, not 0/0
+                counts = {name: (self._global_sum(m[idx].sum().float()).clamp_min(1),
+                                 self._global_sum((m[idx].sum(-1) > 0).sum().float()).clamp_min(1))
+                          for name, m in (("pg", loss_mask), ("full", rb.response_mask))}
+                opt.zero_grad(set_to_none=True)
+                finite = torch.ones((), device=self.device)
+                chunks = micro_batches(idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens)
+                # sharded ranks must run the same number of forward/backward passes: pad with empty ones
+                n_max = global_max_int(len(chunks), self.device)
+                for j in range(n_max):
+                    empty = j >= len(chunks)
+                    mi = idx[:1] if empty else chunks[j]
+                    mask_j = torch.zeros_like(loss_mask[mi]) if empty else loss_mask[mi]
+                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], mask_j, counts)
+                    if empty:
+                        loss = loss * 0.0  # takes part in the collectives, contributes nothing
+                        metrics = {}
+                    if not torch.isfinite(loss):
+                        finite.zero_()
+                        break
+                    self.manual_backward(loss)
+                    for k, v in metrics.items():
+                        logs.setdefault(k, []).append(float(v))
+                if self._global_sum(1.0 - finite) > 0:  # every rank skips together
+                    opt.zero_grad(set_to_none=True)
+                    self._on_nonfinite()
+                    continue
+                self.nonfinite_streak = 0
+                if self.cfg.optim.grad_clip > 0:
+                    if is_fsdp1(self.policy):  # the norm over all shards (FSDP1's flat parameters are local)
+                        gn = self.policy.clip_grad_norm_(self.cfg.optim.grad_clip)
+                    else:
+                        gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
+                    logs.setdefault("grad_norm", []).append(float(gn))
+                opt.step()
+                sched.step()
+        return {k: sum(v) / len(v) for k, v in logs.items()}
+
+    def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, counts: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one micro-batch, already divided by the global counts: the policy-gradient term over
+        the assigner's loss mask, KL and entropy bonus over every generated token (as verl / the 80/20 code)."""
+        alg = self.cfg.algorithm
+        dp = self.trainer.world_size if self._trainer is not None else 1
+        pg_counts = dict(global_tokens=counts["pg"][0], global_seqs=counts["pg"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
+        full_counts = dict(global_tokens=counts["full"][0], global_seqs=counts["full"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
+        hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len,
+                                 packed=alg.packed)
+        logp, ent = token_logprobs(hidden, self.policy.get_output_embeddings(), mb.response_ids,
+                                   temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
+                                   with_entropy=alg.entropy_coef > 0, compiled=self.cfg.trainer.compile)
+        old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+        is_w, mismatch = None, {}
+        if mb.rollout_logprobs is not None:  # sampled by another engine (vLLM): its log-probs vs the trainer's
+            is_w, mismatch = grpo.engine_mismatch(old, mb.rollout_logprobs, mb.response_mask, alg.tis_cap)
+        loss, metrics = grpo.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                         dual_clip=alg.dual_clip, agg=alg.agg, is_weights=is_w, **pg_counts)
+        metrics = dict(metrics, pg_loss=loss.detach(), **mismatch)
+        if alg.kl_coef > 0:
+            kl = grpo.aggregate(grpo.kl_penalty(logp, mb.ref_logprobs, alg.kl_kind), mb.response_mask, alg.agg, **full_counts)
+            loss = loss + alg.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        if alg.entropy_coef > 0:
+            eb = grpo.aggregate(ent, mb.response_mask, alg.agg, **full_counts)
+            loss = loss - alg.entropy_coef * eb
+            metrics["entropy_bonus"] = eb.detach()
+        return loss, metrics
+
+    def _global_sum(self, x: Tensor | float) -> Tensor:
+        t = torch.as_tensor(x, dtype=torch.float32, device=self.device)
+        if self._trainer is None or self.trainer.world_size == 1:
+            return t
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="sum")
+
+    def _on_nonfinite(self) -> None:
+        self.nonfinite_streak += 1
+        self.totals["nonfinite_steps"] += 1
+        if self.nonfinite_streak >= self.cfg.trainer.max_nonfinite:
+            raise NonFiniteLossError(
+                f"{self.nonfinite_streak} consecutive optimizer steps had a non-finite loss; stopping "
+                f"(the last good checkpoint is kept)")
+
+    # -- metrics --------------------------------------------------------------------------------
+    def _log_iteration(self, rb: RolloutBatch, seq_adv: Tensor, credit_metrics: dict[str, float], upd: dict[str, float]) -> None:
+        G = self.cfg.rollout.group_size
+        correct = (rb.rewards >= 1.0 - 1e-6).float()
+        self.m_reward.update(rb.rewards)
+        self.m_acc.update(correct)
+        self.m_pass.update(pass_at_k(correct.view(-1, G).sum(-1), G, G))
+        reward, acc, pk = self.m_reward.compute(), self.m_acc.compute(), self.m_pass.compute()
+        for m in (self.m_reward, self.m_acc, self.m_pass):
+            m.reset()
+        self.totals["reward_errors"] += int(rb.meta.get("reward_errors", 0))
+        gen_tokens = int(self._global_sum(rb.attention_mask.sum().float()))
+        self.totals["generated_tokens"] += gen_tokens
+        self.log("reward", reward, prog_bar=True, on_step=True, logger=False)
+        self.log("acc", acc, prog_bar=True, on_step=True, logger=False)
+        lens = rb.response_mask.sum(-1).float()
+        out = {
+            "train/reward": reward, "train/accuracy": acc, f"train/pass@{G}": pk,
+            "train/frac_zero_std": grpo.zero_std_fraction(rb.rewards, rb.group_ids),
+            "train/response_len": lens.mean(), "train/adv_abs_mean": seq_adv.abs().mean(),
+            "train/iteration": float(self.iterations_done), "train/lr": self.lr_schedulers().get_last_lr()[0],
+            "train/generated_tokens_total": float(self.totals["generated_tokens"]),
+            "train/nonfinite_steps_total": float(self.totals["nonfinite_steps"]),
+            "train/reward_errors_total": float(self.totals["reward_errors"]),
+        }
+        data_crc = upd.pop("data_crc")  # fingerprint of this iteration's prompts: paired runs must agree
+        out["train/data_crc"] = data_crc
+        out.update({(k if "/" in k else f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"): v for k, v in upd.items()})
+        out.update({f"credit/{k}": v for k, v in credit_metrics.items()})
+        out.update({f"rollout/{k}": v for k, v in rb.meta.get("rollout_stats", {}).items()})  # multi-turn: tool use, ends
+        out = {k: float(v) for k, v in out.items()}
+        self.last_metrics = out
+        # written to the logger now, synchronously, with step = iteration: a checkpoint taken at the end of
+        # this iteration can then never be ahead of the metrics on record (a kill right after it loses none)
+        if self._trainer is not None and self.trainer.is_global_zero and self.trainer.logger is not None:
+            self.trainer.logger.log_metrics(out, step=self.iterations_done - 1)
+
+
+def micro_batches(idx: Tensor, lengths: Tensor, max_seqs: int, max_tokens: int = 0) -> list[Tensor]:
+    """Split the row indices ``idx`` [n] of an optimizer step into micro-batches, in order.
+
+    max_tokens = 0: fixed ``max_seqs`` rows each. max_tokens > 0 (dynamic batch size): as many rows as fit
+    in ``max_tokens`` real tokens (``lengths`` [n], prompt + response, padding excluded) and at most
+    ``max_seqs``; a row longer than the budget goes alone. The loss is normalised by global counts, so
+    the split changes memory and speed, never the gradient.
+    """
+    if max_tokens <= 0:
+        return [idx[s : s + max_seqs] for s in range(0, idx.numel(), max_seqs)]
+    out, cur, used = [], [], 0
+    for i, n in zip(idx.tolist(), lengths.tolist()):
+        if cur and (used + n > max_tokens or len(cur) >= max_seqs):
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        out.append(cur)
+    return [torch.tensor(c, dtype=torch.long, device=idx.device) for c in out]
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (linear warmup, then constant/cosine/linear decay)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
+    return min_ratio + (1 - min_ratio) * decay
+
+
+def _to_device(rb: RolloutBatch, device: torch.device) -> RolloutBatch:
+    if device.type == "cpu":
+        return rb
+    fields = {k: v.to(device) for k, v in vars(rb).items() if isinstance(v, Tensor)}
+    return rb.with_(**fields)
+
+
+def _to_container(cfg: Config) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

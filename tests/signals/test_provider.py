@@ -1,0 +1,65 @@
+"""SignalProvider computes exactly the declared signals; the teacher sees privileged prompt ⊕ the same tokens."""
+import torch
+
+from gearlab.core.batch import RolloutBatch
+from gearlab.credit import Signal
+from gearlab.core.logprobs import naive_token_logprobs
+from gearlab.signals.provider import SignalProvider
+
+
+def _batch(V):
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, V, (3, 5), generator=g)
+    pmask = torch.ones_like(prompt)
+    prompt[1, :2], pmask[1, :2] = 0, 0
+    tprompt = torch.randint(5, V, (3, 8), generator=g)
+    tmask = torch.ones_like(tprompt)
+    tprompt[2, :4], tmask[2, :4] = 0, 0
+    resp = torch.randint(5, V, (3, 6), generator=g)
+    rmask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], dtype=torch.bool)
+    return RolloutBatch(prompt_ids=prompt, prompt_mask=pmask, response_ids=resp, response_mask=rmask,
+                        group_ids=torch.tensor([0, 0, 0]), rewards=torch.tensor([1.0, 0.0, 1.0]),
+                        teacher_prompt_ids=tprompt, teacher_prompt_mask=tmask)
+
+
+def _count_forwards(model):
+    calls = {"n": 0}
+    base = getattr(model, model.base_model_prefix)
+    base.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+    return calls
+
+
+def _solo_logprobs(model, prompt, pmask, resp, T=1.0):
+    ids = torch.cat([prompt[pmask.bool()], resp])[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0, pmask.sum() - 1 : -1]
+    return naive_token_logprobs(logits, resp, T)
+
+
+def test_no_signals_means_one_student_pass_and_no_teacher(tiny_model_factory):
+    model = tiny_model_factory(0)
+    calls = _count_forwards(model)
+    sp = SignalProvider(model, temperature=1.0, micro_batch_size=8)
+    ppass, sig = sp.compute(_batch(model.config.vocab_size), frozenset())
+    assert sig == {} and calls["n"] == 1 and ppass.entropy is None
+    ppass, sig = sp.compute(_batch(model.config.vocab_size), frozenset(), with_logprobs=False)
+    assert ppass is None and calls["n"] == 1  # nothing asked, nothing computed
+
+
+def test_teacher_and_entropy_values(tiny_model_factory):
+    model = tiny_model_factory(1)
+    b = _batch(model.config.vocab_size)
+    calls = _count_forwards(model)
+    sp = SignalProvider(model, temperature=0.8, chunk_size=5, micro_batch_size=2)
+    ppass, sig = sp.compute(b, {Signal.ENTROPY, Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL})
+    assert set(sig) == {Signal.ENTROPY, Signal.TEACHER_LOGPROBS, Signal.TEACHER_KL}
+    assert calls["n"] == 4  # 2 micro-batches × (student + teacher)
+    for i in range(3):
+        n = int(b.response_mask[i].sum())
+        lp, ent = _solo_logprobs(model, b.prompt_ids[i], b.prompt_mask[i], b.response_ids[i], 0.8)
+        tlp, _ = _solo_logprobs(model, b.teacher_prompt_ids[i], b.teacher_prompt_mask[i], b.response_ids[i], 0.8)
+        torch.testing.assert_close(ppass.logprobs[i, :n], lp[:n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sig[Signal.ENTROPY][i, :n], ent[:n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sig[Signal.TEACHER_LOGPROBS][i, :n], tlp[:n], rtol=1e-4, atol=1e-5)
+        assert (sig[Signal.TEACHER_KL][i, n:] == 0).all() and (sig[Signal.ENTROPY][i, n:] == 0).all()
+    assert (sig[Signal.TEACHER_KL][b.response_mask] > 0).all()

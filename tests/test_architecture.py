@@ -1,0 +1,163 @@
+"""The floor plan holds: no import cycle among gearlab's modules, each package imports only the packages below it,
+no module imports its own plug-ins, the public API answers at its documented paths, and nothing in the
+repository points at a document outside it.
+
+Imports are read statically (``ast``), every ``import`` statement counted — also those inside functions, which
+a runtime check would miss. The plug-in loaders import their plug-ins by computed names (``importlib``), the one
+deliberate upward arrow, which is not an import statement.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# bottom to top: a package may import only packages listed before it (and itself)
+LAYERS = ["plugins", "config", "envs", "parallel", "core", "tasks", "signals", "credit", "rollout", "models", "trainer",
+          "commands", "cli"]
+SHIMS = {"grpo", "batch", "logprobs"}  # the public API's stable top-level paths, re-exporting gearlab.core
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in (ROOT / "gearlab").rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports(path: Path, mods: dict[str, Path]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for t in targets:
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t:
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(p, mods) - {m, "gearlab"} for m, p in mods.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "gearlab"
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == [], f"import cycles: {cycles}"
+    assert len(graph) > 50  # the walk saw the whole package
+
+
+def test_packages_import_only_the_layers_below():
+    bad = []
+    for m, deps in _graph().items():
+        pkg = _package(m)
+        if pkg in SHIMS:
+            assert deps <= {f"gearlab.core.{pkg}", "gearlab.core"}, (m, deps)
+            continue
+        for d in deps:
+            dp = _package(d)
+            if dp != pkg and (dp in SHIMS or LAYERS.index(dp) >= LAYERS.index(pkg)):
+                bad.append(f"{m} imports {d}")
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_module_imports_its_plugins():
+    graph = _graph()
+    # concrete tasks and signals are found by the registries' loaders, never imported by the interfaces
+    tasks = {m for m in graph if m.startswith("gearlab.tasks.") and m not in ("gearlab.tasks.base", "gearlab.tasks.registry")}
+    assert not graph["gearlab.tasks.base"] & tasks and not graph["gearlab.tasks.registry"] & tasks
+    assert not graph["gearlab.tasks"] & tasks
+    signal_modules = {"gearlab.signals.saliency", "gearlab.signals.spans"}
+    assert not (graph["gearlab.signals.registry"] | graph["gearlab.signals.provider"]) & signal_modules
+    # no gearlab module imports a credit method
+    for m, p in _modules().items():
+        src = p.read_text()
+        assert not re.search(r"^\s*(from|import)\s+(gearlab\.)?assigners\b", src, flags=re.M), m
+
+
+def test_public_api_at_its_documented_paths():
+    from gearlab.batch import RolloutBatch
+    from gearlab.config import load_config
+    from gearlab.credit import CreditAssigner, CreditOutput, Signal, available, build, register
+    from gearlab.envs.sandbox import run
+    from gearlab.grpo import aggregate, group_advantages, kl_penalty, policy_loss
+    from gearlab.logprobs import token_kl, token_logprobs
+    from gearlab.tasks import get_task
+
+    import gearlab.core.batch
+    import gearlab.core.grpo
+    import gearlab.core.logprobs
+
+    assert RolloutBatch is gearlab.core.batch.RolloutBatch and group_advantages is gearlab.core.grpo.group_advantages
+    assert token_logprobs is gearlab.core.logprobs.token_logprobs
+    assert all(callable(f) for f in (load_config, available, build, register, run, aggregate, kl_penalty, policy_loss,
+                                     token_kl, get_task))
+    assert issubclass(CreditAssigner, object) and CreditOutput and Signal.ENTROPY == "entropy"
+    import importlib.metadata
+
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"gearlab.assigners"' in text  # the entry-point group is documented and stays
+    assert importlib.metadata.entry_points(group="gearlab.assigners") is not None
+
+
+def test_nothing_points_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    pattern = re.compile(r"\.\./shared|(?<![\w/])(methods|anchors|gpu-notes|environment)\.md\b")
+    hits = []
+    for f in files:
+        p = ROOT / f
+        if p.suffix in {".py", ".md", ".yaml", ".sh", ".toml", ".txt"} and p.is_file() and f != "tests/test_architecture.py":
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+                if pattern.search(line):
+                    hits.append(f"{f}:{i}: {line.strip()[:100]}")
+    assert hits == [], "\n".join(hits[:20])
+    # and every docs/ link in the repository resolves to a file that exists
+    missing = set()
+    for f in files:
+        p = ROOT / f
+        if p.suffix in {".py", ".md", ".yaml"} and p.is_file():
+            for m in re.finditer(r"docs/[\w/.-]+\.md", p.read_text(errors="replace")):
+                if not (ROOT / m.group(0)).is_file():
+                    missing.add(f"{f}: {m.group(0)}")
+    assert not missing, sorted(missing)
