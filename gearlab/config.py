@@ -14,13 +14,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from gearlab.core.grpo import AGG_MODES, KL_KINDS
+from gearlab.errors import ConfigError  # noqa: F401  (re-exported: gearlab.config.ConfigError)
+
 # Groups selectable as ``group=name`` on the command line; each maps to conf/<group>/<name>.yaml,
 # merged at the given key ("" = the root).
 GROUPS = {"assigner": "assigner", "task": "task", "model": "model", "experiment": ""}
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the CLI prints it on one line and exits with code 2."""
 
 
 @dataclass
@@ -302,9 +301,9 @@ def load_config(overrides: list[str] | None = None) -> Config:
 
 
 _CHOICES = {
-    "algorithm.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "algorithm.agg": AGG_MODES,  # the core's own lists: one place
     "algorithm.std_scope": ("group", "batch"),
-    "algorithm.kl_kind": ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+"),
+    "algorithm.kl_kind": KL_KINDS,
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.reward_errors": ("zero", "raise"),
     "model.dtype": ("auto", "float32", "bfloat16"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # bottom to top: a package may import only packages listed before it (and itself)
-LAYERS = ["plugins", "config", "envs", "parallel", "core", "tasks", "signals", "credit", "rollout", "models", "trainer",
+LAYERS = ["plugins", "errors", "envs", "parallel", "core", "config", "tasks", "signals", "credit", "rollout", "models", "trainer",
           "commands", "cli"]
 SHIMS = {"grpo", "batch", "logprobs"}  # the public API's stable top-level paths, re-exporting gearlab.core
 
@@ -28,9 +28,22 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:`` (imports for type hints only, never executed)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def _imports(path: Path, mods: dict[str, Path]) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -161,3 +174,14 @@ def test_nothing_points_outside_the_repository():
                 if not (ROOT / m.group(0)).is_file():
                     missing.add(f"{f}: {m.group(0)}")
     assert not missing, sorted(missing)
+
+
+def test_choice_lists_have_one_place():
+    """The config validates the core's own lists (not copies that could drift), and the typed errors are one class."""
+    from gearlab import config, errors
+    from gearlab.core import grpo
+
+    assert config._CHOICES["algorithm.agg"] is grpo.AGG_MODES and config._CHOICES["algorithm.kl_kind"] is grpo.KL_KINDS
+    assert config.ConfigError is errors.ConfigError
+    cfg = config.load_config(["algorithm.kl_kind=low_var_kl"])  # a kind the core knows is a kind the config accepts
+    assert grpo.kl_penalty is not None and cfg.algorithm.kl_kind == "low_var_kl"

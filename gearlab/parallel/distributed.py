@@ -15,12 +15,15 @@ world size they describe.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
-from gearlab.config import Config, ConfigError
+from gearlab.errors import ConfigError
+
+if TYPE_CHECKING:  # the schema is only a type here: parallel sits below the config in the layers
+    from gearlab.config import Config
 
 
 def world_size(cfg: Config) -> int:

@@ -13,6 +13,7 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from gearlab.errors import ConfigError
 from gearlab.plugins import import_plugin
 from gearlab.tasks.base import Task
 
@@ -65,8 +66,6 @@ def available_tasks() -> list[str]:
 def task_from_config(cfg: Any) -> Task:
     """The task of a gearlab Config: imports ``task.plugins`` first, then builds ``task.name`` with
     ``task.options``; any problem is a one-line ConfigError naming the key."""
-    from gearlab.config import ConfigError
-
     for spec in cfg.task.plugins:
         try:
             import_plugin(spec)
