@@ -1,9 +1,13 @@
-"""Importing a plug-in module named on the command line (``assigner.plugins``, ``task.plugins``): a dotted
-import path, or a ``.py`` file anywhere on disk. Importing it runs its ``@register...`` decorators."""
+"""Loading plug-ins: every module of a built-in package plus an entry-point group (``load_plugins``, used by the
+assigner, task and signal registries alike), and a module named on the command line (``assigner.plugins``,
+``task.plugins``: a dotted import path or a ``.py`` file anywhere on disk). Importing a plug-in runs its
+``@register...`` decorator."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -25,3 +29,13 @@ def import_plugin(spec: str) -> None:
         module_spec.loader.exec_module(module)
     else:
         importlib.import_module(spec)
+
+
+def load_plugins(package: str, group: str) -> None:
+    """Import every module of ``package`` (built-in plug-ins register themselves on import) and every module
+    of the entry-point ``group`` (plug-ins of other installed packages). The one loader of all plug-in kinds."""
+    pkg = importlib.import_module(package)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{package}.{info.name}")
+    for ep in importlib.metadata.entry_points(group=group):
+        ep.load()

@@ -7,9 +7,6 @@ advantages. The core never imports a concrete assigner; it looks them up here by
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.metadata
-import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, TypeVar
@@ -18,7 +15,7 @@ from torch import Tensor
 
 from gearlab.core.batch import RolloutBatch
 from gearlab.credit.options import OptionError, parse_options
-from gearlab.plugins import import_plugin
+from gearlab.plugins import import_plugin, load_plugins
 from gearlab.signals.registry import Signal
 
 ENTRY_POINT_GROUP = "gearlab.assigners"
@@ -130,9 +127,7 @@ def _load_plugins() -> None:
     if _PLUGINS_LOADED:
         return
     _PLUGINS_LOADED = True
-    importlib.import_module("gearlab.assigners")
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+    load_plugins("gearlab.assigners", ENTRY_POINT_GROUP)
 
 
 def load_module(spec: str) -> None:

@@ -15,16 +15,13 @@ how to make random, well-formed values for it (see ``FAKES``).
 from __future__ import annotations
 
 import enum
-import importlib
-import importlib.metadata
-import pkgutil
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import Tensor, nn
 
 from gearlab.core.batch import RolloutBatch
+from gearlab.plugins import load_plugins
 
 ENTRY_POINT_GROUP = "gearlab.signals"
 
@@ -116,23 +113,19 @@ PASS_SIGNALS = frozenset(s for s, spec in _REGISTRY.items() if spec.fn is None)
 TEACHER_SIGNALS = frozenset({Signal.TEACHER_LOGPROBS.value, Signal.TEACHER_KL.value, Signal.TEACHER_ENTROPY.value})
 
 
-def load_plugins() -> None:
+def load_builtin_and_installed() -> None:
     """Import every module of this package (built-in signals register on import) and every module of the
     ``gearlab.signals`` entry-point group. Idempotent."""
     global _PLUGINS_LOADED
     if _PLUGINS_LOADED:
         return
     _PLUGINS_LOADED = True
-    package = __name__.rpartition(".")[0]  # this package, already imported (a module of it is running)
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        importlib.import_module(f"{package}.{info.name}")
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+    load_plugins(__name__.rpartition(".")[0], ENTRY_POINT_GROUP)  # this package's modules + the group
 
 
 def get_signal(signal: Signal | str) -> SignalSpec:
     """The registration of ``signal``; an unknown name lists the known ones."""
-    load_plugins()
+    load_builtin_and_installed()
     name = signal_name(signal)
     if name not in _REGISTRY:
         raise KeyError(f"unknown signal {name!r}; known: {', '.join(available_signals())}")
@@ -141,5 +134,5 @@ def get_signal(signal: Signal | str) -> SignalSpec:
 
 def available_signals() -> list[str]:
     """Sorted names of every registered signal (built-in and plug-in)."""
-    load_plugins()
+    load_builtin_and_installed()
     return sorted(_REGISTRY)

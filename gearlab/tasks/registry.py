@@ -7,14 +7,10 @@ Adding a task needs no edit of any list: one module plus ``conf/task/<name>.yaml
 """
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import pkgutil
-from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from gearlab.errors import ConfigError
-from gearlab.plugins import import_plugin
+from gearlab.plugins import import_plugin, load_plugins
 from gearlab.tasks.base import Task
 
 ENTRY_POINT_GROUP = "gearlab.tasks"
@@ -43,23 +39,19 @@ def register_task(name: str, **defaults: Any) -> Callable[[T], T]:
     return deco
 
 
-def load_plugins() -> None:
+def load_builtin_and_installed() -> None:
     """Import every module of this package (the built-in tasks register on import) and every module of the
     ``gearlab.tasks`` entry-point group. Idempotent."""
     global _PLUGINS_LOADED
     if _PLUGINS_LOADED:
         return
     _PLUGINS_LOADED = True
-    package = __name__.rpartition(".")[0]  # this package, already imported (a module of it is running)
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        importlib.import_module(f"{package}.{info.name}")
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+    load_plugins(__name__.rpartition(".")[0], ENTRY_POINT_GROUP)  # this package's modules + the group
 
 
 def available_tasks() -> list[str]:
     """Sorted names of every registered task."""
-    load_plugins()
+    load_builtin_and_installed()
     return sorted(TASKS)
 
 
@@ -80,7 +72,7 @@ def task_from_config(cfg: Any) -> Task:
 def get_task(name: str, **options: Any) -> Task:
     """Instantiate the task registered as `name`; `options` override its registered defaults."""
     if name not in TASKS:
-        load_plugins()
+        load_builtin_and_installed()
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
     kwargs = {**_DEFAULTS[name], **options}

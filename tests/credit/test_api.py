@@ -71,13 +71,9 @@ def test_plugin_from_a_file_outside_the_repo(tmp_path):
 def test_plugin_from_an_entry_point(tmp_path):
     """A separately installed package declaring `gearlab.assigners` is found without touching gearlab/.
     Run in a fresh interpreter so plug-in discovery starts from scratch."""
-    pkg = tmp_path / "site"
-    (pkg / "acme_credit").mkdir(parents=True)
-    (pkg / "acme_credit" / "__init__.py").write_text(PLUGIN_SRC.format(name="acme_last_boost"))
-    dist = pkg / "acme_credit-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-credit\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[gearlab.assigners]\nacme = acme_credit\n")
+    from tests.plugin_site import entry_point_site
+
+    pkg = entry_point_site(tmp_path, "acme_credit", "gearlab.assigners", PLUGIN_SRC.format(name="acme_last_boost"))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from gearlab import credit; "
             "print(credit.available()); print(type(credit.build('acme_last_boost')).__module__)")
     out = subprocess.run([sys.executable, "-c", code, str(pkg)], capture_output=True, text=True, timeout=120)

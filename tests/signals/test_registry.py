@@ -68,13 +68,9 @@ def test_signal_from_a_file_is_computed_and_faked(tmp_path, tiny_model_factory, 
 
 
 def test_signal_from_an_entry_point(tmp_path):
-    site = tmp_path / "site"
-    (site / "acme_signals").mkdir(parents=True)
-    (site / "acme_signals" / "__init__.py").write_text(PLUGIN.format(sig="acme_weight", name="acme_late"))
-    dist = site / "acme_signals-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-signals\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[gearlab.signals]\nw = acme_signals\n")
+    from tests.plugin_site import entry_point_site
+
+    site = entry_point_site(tmp_path, "acme_signals", "gearlab.signals", PLUGIN.format(sig="acme_weight", name="acme_late"))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from gearlab.signals.registry import get_signal; "
             "print(get_signal('acme_weight').fake)")
     out = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, timeout=120)

@@ -56,13 +56,9 @@ def test_missing_task_plugin_is_one_line(tmp_path):
 
 
 def test_task_from_an_entry_point(tmp_path):
-    site = tmp_path / "site"
-    (site / "acme_tasks").mkdir(parents=True)
-    (site / "acme_tasks" / "__init__.py").write_text(TASK_SRC.format(name="acme_repeat"))
-    dist = site / "acme_tasks-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-tasks\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[gearlab.tasks]\nrepeat = acme_tasks\n")
+    from tests.plugin_site import entry_point_site
+
+    site = entry_point_site(tmp_path, "acme_tasks", "gearlab.tasks", TASK_SRC.format(name="acme_repeat"))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from gearlab.tasks import get_task; "
             "t = get_task('acme_repeat'); print(type(t).__module__, t.problems('train', 1)[0].prompt)")
     out = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, timeout=120)
