@@ -136,7 +136,8 @@ def graceful_stop(module: GRPOModule) -> Iterator[None]:
         log.warning("stop requested (%s): finishing this iteration and writing a checkpoint; Ctrl-C again aborts now",
                     signal.Signals(signum).name)
 
-    old = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    # a signal the process was told to ignore (e.g. SIGINT under nohup or `cmd &`) stays ignored
+    old = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:

@@ -247,10 +247,15 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
 
     cfg = load_config(_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=6", "trainer.checkpoint_every=10"))
     monkeypatch.setattr(module_mod.GRPOModule, "_update", ctrl_c_during_iteration_3)
-    first = train(cfg)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (CI may run with SIGINT ignored)
+    try:
+        first = train(cfg)
+        restored = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, outer)
     monkeypatch.setattr(module_mod.GRPOModule, "_update", real)
     assert first.stopped_early and first.interrupted and first.iterations_done == 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert restored is signal.default_int_handler  # the handler before the run is back
     client = mlflow.MlflowClient(first.tracking_uri)
     assert client.get_run(first.mlflow_run_id).info.status == "KILLED"
     ck = torch.load(first.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
