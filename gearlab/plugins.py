@@ -31,9 +31,16 @@ def import_plugin(spec: str) -> None:
         importlib.import_module(spec)
 
 
+_LOADED: set[tuple[str, str]] = set()
+
+
 def load_plugins(package: str, group: str) -> None:
     """Import every module of ``package`` (built-in plug-ins register themselves on import) and every module
-    of the entry-point ``group`` (plug-ins of other installed packages). The one loader of all plug-in kinds."""
+    of the entry-point ``group`` (plug-ins of other installed packages), once per process. The one loader of all
+    plug-in kinds."""
+    if (package, group) in _LOADED:
+        return
+    _LOADED.add((package, group))
     pkg = importlib.import_module(package)
     for info in pkgutil.iter_modules(pkg.__path__):
         importlib.import_module(f"{package}.{info.name}")

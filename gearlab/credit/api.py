@@ -99,7 +99,6 @@ class CreditAssigner(ABC):
 
 
 _REGISTRY: dict[str, type[CreditAssigner]] = {}
-_PLUGINS_LOADED = False
 A = TypeVar("A", bound=type[CreditAssigner])
 
 
@@ -123,10 +122,6 @@ def register(name: str) -> Callable[[A], A]:
 
 def _load_plugins() -> None:
     """Import the bundled assigners and every module of the ``gearlab.assigners`` entry-point group."""
-    global _PLUGINS_LOADED
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED = True
     load_plugins("gearlab.assigners", ENTRY_POINT_GROUP)
 
 

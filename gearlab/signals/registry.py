@@ -76,7 +76,6 @@ class SignalSpec:
 
 
 _REGISTRY: dict[str, SignalSpec] = {}
-_PLUGINS_LOADED = False
 
 
 def signal_name(signal: Signal | str) -> str:
@@ -116,10 +115,6 @@ TEACHER_SIGNALS = frozenset({Signal.TEACHER_LOGPROBS.value, Signal.TEACHER_KL.va
 def load_builtin_and_installed() -> None:
     """Import every module of this package (built-in signals register on import) and every module of the
     ``gearlab.signals`` entry-point group. Idempotent."""
-    global _PLUGINS_LOADED
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED = True
     load_plugins(__name__.rpartition(".")[0], ENTRY_POINT_GROUP)  # this package's modules + the group
 
 

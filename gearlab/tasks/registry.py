@@ -16,7 +16,6 @@ from gearlab.tasks.base import Task
 ENTRY_POINT_GROUP = "gearlab.tasks"
 TASKS: dict[str, type[Task]] = {}
 _DEFAULTS: dict[str, dict[str, Any]] = {}
-_PLUGINS_LOADED = False
 
 T = TypeVar("T", bound=type[Task])
 
@@ -42,10 +41,6 @@ def register_task(name: str, **defaults: Any) -> Callable[[T], T]:
 def load_builtin_and_installed() -> None:
     """Import every module of this package (the built-in tasks register on import) and every module of the
     ``gearlab.tasks`` entry-point group. Idempotent."""
-    global _PLUGINS_LOADED
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED = True
     load_plugins(__name__.rpartition(".")[0], ENTRY_POINT_GROUP)  # this package's modules + the group
 
 
