@@ -50,13 +50,29 @@ Resolved details (all [PROPOSED], not in any source):
   Σw = ΣN over the tokens of the A ≠ 0 sequences; the sign is kept but Σ_t A_{i,t} = N_i A_i is then
   not exact per trajectory, so ``preserves_mass`` is False for them (and for "none").
 * Sequences with A_i = 0 get 0 advantage, no segments and weight 1 on their generated tokens.
+
+Controls (docs/credit/controls.md), ``segmentation`` ≠ "adaptive" — not part of the reconstruction, ablations of it:
+* GEAR's segments are found as above; then, per trajectory, the same number of segments, each carrying
+  its GEAR segment weight (g at the real onset), is put elsewhere: ``random`` keeps each segment's length
+  and draws its onset (longest segment first, uniformly among the free positions where it fits whole; if
+  none, among all free generated tokens, truncated at the gap's end), ``fixed`` puts onset j at generated
+  token floor(j·N/k) with length ``fixed_len`` (0 = the row's mean GEAR length, rounded half up, ≥ 1),
+  truncated at a masked token, a turn change or the next onset. Weights go in GEAR's order.
+* Tokens outside the control's segments keep their per-token g; modulation and normalisation as above.
+* ``random`` draws from a torch.Generator seeded per row by blake2b(control_seed, the row's real prompt
+  ids, its real response ids): the same response (to the same prompt) gets the same placement wherever it
+  sits in a batch, and a batch's other rows do not change it.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -72,6 +88,7 @@ MODULATIONS = ("exp", "exp_unsigned", "none")
 NORMALISATIONS = ("sequence", "group", "batch", "none")
 TEACHER_MODES = ("live", "frozen", "ema")
 TEACHER_CONTEXTS = ("answer", "solution")
+SEGMENTATIONS = ("adaptive", "random", "fixed")
 
 _MEAN_EPS = 1e-12  # below this mean divergence, g ≡ 1 (no modulation)
 _EXP_ARG_MAX = 50.0  # keeps exp() finite before the clip; any value ≥ log(2) gives the same clipped weight
@@ -124,6 +141,12 @@ class GEAROptions:
     teacher_sync_every: int = option(0, "teacher_mode=frozen: re-sync every k iterations (0 = never)", lo=0)
     teacher_ema: float = option(0.99, "teacher_mode=ema: decay", lo=0.0, hi=1.0)
     teacher_context: str = option("answer", "privileged context the teacher sees", choices=TEACHER_CONTEXTS)
+    # controls (docs/credit/controls.md): GEAR's segments, their lengths and weights, at uninformed positions
+    segmentation: str = option("adaptive", "segments where GEAR finds them, or its segments moved to random / regular "
+                               "positions (a control)", choices=SEGMENTATIONS)
+    control_seed: int = option(0, "segmentation=random: seed of the placement, mixed with each row's token ids")
+    fixed_len: int = option(0, "segmentation=fixed: segment length (0 = the row's mean GEAR segment length, rounded)",
+                            lo=0)
 
 
 @register("gear")
@@ -141,7 +164,10 @@ class GEARAssigner(CreditAssigner):
         super().__init__(**options)  # typed options → attributes (gearlab.credit.options)
         self.preserves_mass = self.normalisation == "sequence"
         needs = {Signal.TEACHER_KL} if self.divergence == "full_kl" else {Signal.LOGPROBS, Signal.TEACHER_LOGPROBS}
-        needs.add(Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY)
+        # the entropy only sets segment lengths, which segmentation=fixed with a fixed_len > 0 does not use
+        self._uses_entropy = not (self.segmentation == "fixed" and self.fixed_len > 0)
+        if self._uses_entropy:
+            needs.add(Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY)
         if self.exclude_answer_span:
             needs.add(Signal.REASONING_MASK)
         self.needs = frozenset(needs)
@@ -182,7 +208,10 @@ class GEARAssigner(CreditAssigner):
         N = valid.sum(dim=1)
 
         d = self._divergence(signals, mask)
-        H = self._signal(signals, Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY, mask)
+        if self._uses_entropy:
+            H = self._signal(signals, Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY, mask)
+        else:  # the lengths of GEAR's own segments are not used (segmentation=fixed, fixed_len > 0)
+            H = torch.zeros_like(d)
 
         # link[t]: t−1 and t are both generated and in the same turn (a segment may step from t−1 to t)
         link = torch.zeros_like(mask)
@@ -232,7 +261,10 @@ class GEARAssigner(CreditAssigner):
         mean_d = (d * valid).sum(dim=1) / N.clamp(min=1).to(f64)
         ok = (N > 0) & torch.isfinite(mean_d) & (mean_d > _MEAN_EPS)
         g = torch.where(ok[:, None], d / torch.where(ok, mean_d, torch.ones_like(mean_d))[:, None], torch.ones_like(d))
-        g = torch.where(in_seg, g.gather(1, last_onset.clamp(min=0)), g)
+        if self.segmentation == "adaptive":
+            g = torch.where(in_seg, g.gather(1, last_onset.clamp(min=0)), g)
+        else:  # a control: GEAR's segments (count, weights, lengths for random) at other positions
+            onset, in_seg, seg_ids, g = self._control(batch, valid, link, onset, seg_ids, g)
 
         # 4. modulation -------------------------------------------------------------------------
         if self.modulation == "none":
@@ -266,6 +298,58 @@ class GEARAssigner(CreditAssigner):
         self.last_divergence = d.float()
         return CreditOutput(token_advantages=token_adv, metrics=self._metrics(active, valid, onset, in_seg, w, d))
 
+    # -- controls (docs/credit/controls.md) ------------------------------------------------------
+    def _control(self, batch: RolloutBatch, valid: Tensor, link: Tensor, onset: Tensor, seg_ids: Tensor,
+                 g_tok: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """GEAR's segments of each row re-placed by ``segmentation``: (onset, in_seg, seg_ids, g) of the control,
+        g = the segment weight inside a control segment and the per-token g_t elsewhere."""
+        dev = g_tok.device
+        B, T = g_tok.shape
+        v, lk = valid.cpu(), link.cpu()
+        nxt_ok = torch.zeros_like(v)
+        nxt_ok[:, :-1] = lk[:, 1:] & v[:, 1:]
+        prv_ok = lk.clone()
+        prv_ok[:, 1:] &= v[:, :-1]
+        run_start, run_end = v & ~prv_ok, v & ~nxt_ok  # maximal blocks of generated tokens within one turn
+        on_c, seg_c, g_c = onset.cpu(), seg_ids.cpu(), g_tok.cpu()
+        seeds = row_seeds(batch, self.control_seed) if self.segmentation == "random" else []
+        rows: list[int] = []
+        placed_all: list[tuple[int, int, float]] = []
+        ids: list[int] = []
+        for i in range(B):
+            k = int(on_c[i].sum())
+            if k == 0:
+                continue
+            starts = on_c[i].nonzero().flatten().tolist()
+            lengths = torch.bincount(seg_c[i][seg_c[i] >= 0], minlength=k).tolist()
+            weights = g_c[i, starts].tolist()  # g held at each real onset, in GEAR's order
+            runs = list(zip(run_start[i].nonzero().flatten().tolist(), run_end[i].nonzero().flatten().tolist()))
+            if self.segmentation == "random":
+                gen = torch.Generator().manual_seed(seeds[i])
+                placed = place_random(runs, list(zip(lengths, weights)), gen)
+            else:
+                length = self.fixed_len or max(1, math.floor(sum(lengths) / k + 0.5))
+                placed = place_fixed(v[i].nonzero().flatten().tolist(), runs, length, weights)
+            rows += [i] * len(placed)
+            ids += range(len(placed))
+            placed_all += placed
+        new_on = torch.zeros(B, T, dtype=torch.bool)
+        new_seg = torch.full((B, T), -1, dtype=torch.long)
+        held = torch.ones(B, T, dtype=g_tok.dtype)
+        if placed_all:  # write every segment at once: row, position, segment id, weight per covered token
+            first = torch.tensor([p[0] for p in placed_all])
+            n = torch.tensor([p[1] - p[0] + 1 for p in placed_all])
+            r = torch.tensor(rows)
+            new_on[r, first] = True
+            cum = n.cumsum(0)
+            cols = first.repeat_interleave(n) + torch.arange(int(cum[-1])) - (cum - n).repeat_interleave(n)
+            r_tok = r.repeat_interleave(n)
+            new_seg[r_tok, cols] = torch.tensor(ids).repeat_interleave(n)
+            held[r_tok, cols] = torch.tensor([p[2] for p in placed_all], dtype=g_tok.dtype).repeat_interleave(n)
+        new_on, new_seg = new_on.to(dev), new_seg.to(dev)
+        in_seg = new_seg >= 0
+        return new_on, in_seg, new_seg, torch.where(in_seg, held.to(dev), g_tok)
+
     @staticmethod
     def _metrics(active: Tensor, valid: Tensor, onset: Tensor, in_seg: Tensor, w: Tensor, d: Tensor) -> dict[str, float]:
         """Means over the A ≠ 0 sequences; an empty set reports 0 (weights are > 0, so 0 means "none")."""
@@ -286,3 +370,95 @@ class GEARAssigner(CreditAssigner):
             "weight_max": float(w[valid].max()) if n_tok else 0.0,
             "divergence_mean": float(d[valid].sum()) / n_tok if n_tok else 0.0,
         }
+
+
+# -- controls: placement of GEAR's segments (docs/credit/controls.md) ------------------------------------
+def row_seeds(batch: RolloutBatch, control_seed: int) -> list[int]:
+    """One 63-bit seed per row: BLAKE2b (8 bytes, person "gearlab-control") of ``control_seed``, then the row's real
+    prompt ids and its real response ids (prompt_mask / attention_mask; each list length-prefixed), all as
+    little-endian int64. Independent of the row's position, its padding and the other rows."""
+    prompt, pmask = batch.prompt_ids.cpu().numpy(), batch.prompt_mask.cpu().numpy().astype(bool)
+    resp, rmask = batch.response_ids.cpu().numpy(), batch.attention_mask.cpu().numpy().astype(bool)
+    out = []
+    for i in range(resp.shape[0]):
+        h = hashlib.blake2b(digest_size=8, person=b"gearlab-control")
+        h.update(struct.pack("<q", int(control_seed)))
+        for ids in (prompt[i][pmask[i]], resp[i][rmask[i]]):
+            h.update(struct.pack("<q", ids.size))
+            h.update(ids.astype("<i8").tobytes())
+        out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+    return out
+
+
+def place_random(runs: list[tuple[int, int]], segments: list[tuple[int, Any]], gen: torch.Generator,
+                 tries: int = 32) -> list[tuple[int, int, Any]]:
+    """Put each (length, weight) segment at a random onset: ``runs`` are the row's blocks of generated tokens
+    (first, last position, inclusive) that a segment may not leave (masked tokens, turn changes). Longest first
+    (ties in the given order); the onset is uniform over the positions where the segment fits whole without
+    touching an already placed one, or, when there is none, over every free position, the segment then cut at
+    the end of its free gap. Returns (first, last, weight) sorted by position.
+
+    Uniform by rejection: up to ``tries`` onsets drawn among all generated positions, the first that fits is
+    taken (conditionally uniform over those that fit); after that the free gaps are listed and one draw decides.
+    O(T + k·L) per row instead of O(k²) for k segments."""
+    runs = [(s, e) for s, e in runs if e >= s]
+    if not runs:
+        return []
+    cand = [p for s, e in runs for p in range(s, e + 1)]
+    block_end = [0] * (runs[-1][1] + 1)
+    for s, e in runs:
+        block_end[s:e + 1] = [e] * (e - s + 1)
+    taken = bytearray(len(block_end))
+
+    def fits(p: int, length: int) -> bool:
+        return p + length - 1 <= block_end[p] and not any(taken[p:p + length])
+
+    out = []
+    for j in sorted(range(len(segments)), key=lambda j: -segments[j][0]):
+        length, weight = segments[j]
+        first = -1
+        for _ in range(tries):
+            p = cand[int(torch.randint(len(cand), (1,), generator=gen))]
+            if fits(p, length):
+                first, last = p, p + length - 1
+                break
+        if first < 0:  # list the free gaps: a whole fit if any is left, else any free token, cut at its gap's end
+            gaps, s = [], None
+            for p in cand:
+                if taken[p]:
+                    continue
+                if s is None or p != gaps[-1][1] + 1 or block_end[p] != block_end[s]:
+                    gaps.append((p, p))
+                    s = p
+                else:
+                    gaps[-1] = (s, p)
+            room = [max(0, e - g + 2 - length) for g, e in gaps]  # onsets g .. e − length + 1
+            if sum(room) == 0:
+                room = [e - g + 1 for g, e in gaps]
+            if sum(room) == 0:  # cannot happen when the segments came from these runs; never loop on it
+                break
+            u = int(torch.randint(sum(room), (1,), generator=gen))
+            r = 0
+            while u >= room[r]:
+                u -= room[r]
+                r += 1
+            first = gaps[r][0] + u
+            last = min(first + length - 1, gaps[r][1])
+        taken[first:last + 1] = b"\x01" * (last - first + 1)
+        out.append((first, last, weight))
+    return sorted(out, key=lambda x: x[0])
+
+
+def place_fixed(positions: list[int], runs: list[tuple[int, int]], length: int, weights: list[Any]) -> list[tuple[int, int, Any]]:
+    """k = len(weights) segments of ``length`` at regular onsets: onset j is the generated token of index
+    floor(j·N/k) (``positions`` = the N generated positions); each ends at its block's end (``runs``) or before
+    the next onset if sooner. Returns (first, last, weight) in order."""
+    k, n = len(weights), len(positions)
+    onsets = [positions[(j * n) // k] for j in range(k)]
+    run_first = [s for s, _ in runs]
+    out = []
+    for j, first in enumerate(onsets):
+        block_end = runs[bisect_right(run_first, first) - 1][1]
+        last = min(first + length - 1, block_end, onsets[j + 1] - 1 if j + 1 < k else block_end)
+        out.append((first, last, weights[j]))
+    return out

@@ -27,6 +27,7 @@ HELP = textwrap.dedent("""\
       inspect     run several assigners on one sampled batch; write credit.json, credit.html, credit.png
       compare     paired comparison: assigners=[grpo,gear,...] seeds=[0,1,2] (one MLflow parent + a child per pair)
       report NAME rebuild a comparison's table and plot from MLflow alone (also a remote tracking server)
+      credit-eval score every credit method against the located first error of failed responses (credit_eval.json)
       replay      run one cached set of rollouts through several assigners and log how their credit differs
       export      a training checkpoint (a file, or a sharded FSDP2 folder) -> a Hugging Face model folder
 
@@ -78,13 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         if not overrides or "=" in overrides[0]:
             print("gearlab: error: usage: gearlab check-assigner NAME [overrides]", file=sys.stderr)
             return 2
-        from gearlab.config import conf_dir
-
-        name = overrides[0]
-        pick = f"assigner={name}" if (conf_dir() / "assigner" / f"{name}.yaml").is_file() else f"assigner.name={name}"
-        overrides = [pick, *overrides[1:]]
+        overrides = [f"assigner={overrides[0]}", *overrides[1:]]
     commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners,
                 "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report, "replay": _replay,
+                "credit-eval": _credit_eval,
                 "export": _export}
     if cmd not in commands:
         print(f"gearlab: error: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
@@ -94,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "compare":
             from gearlab.commands.compare import compare
 
-            base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name="))]
+            base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name=", "assigner.base="))]
             res = compare(cfg, base)
             if res.get("interrupted"):
                 return 130
             print(compare_summary(cfg))
             return 1 if res["failed"] else 0
+        if cmd == "report":  # the metric the comparison named before it ran, unless one is asked for here
+            return _report(cfg, explicit_metric=any(o.startswith("compare.metric=") for o in overrides))
         return commands[cmd](cfg)
     except ConfigError as e:
         print(f"gearlab: error: {e}", file=sys.stderr)
@@ -177,6 +177,12 @@ def _train(cfg) -> int:
     m = res.metrics
     if not res.mlflow_run_id:  # not global rank 0 of a multi-process run: rank 0 reports
         return 0
+    if cfg.credit_eval.after_training:
+        from gearlab.commands.credit_eval import after_training, markdown
+
+        rec = after_training(cfg, res)
+        if rec is not None:
+            print(markdown(rec))
     print(train_summary(res, sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train"]))
     return 0
 
@@ -256,10 +262,10 @@ def _check_assigner(cfg) -> int:
     for spec in cfg.assigner.plugins:
         credit.load_module(spec)
     try:
-        credit.build(cfg.assigner.name, dict(cfg.assigner.options))
+        credit.build(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip('"')) from None
-    checks = check_assigner(cfg.assigner.name, dict(cfg.assigner.options))
+    checks = check_assigner(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
     for c in checks:
         print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}" + (f"  ({c.detail})" if c.detail else ""))
     failed = sum(not c.ok for c in checks)
@@ -267,15 +273,16 @@ def _check_assigner(cfg) -> int:
     return 1 if failed else 0
 
 
-def _report(cfg) -> int:
+def _report(cfg, explicit_metric: bool = True) -> int:
     from pathlib import Path
 
     from gearlab.commands.report import build_report
     from gearlab.trainer.tracking import tracking_uri
 
     try:
-        rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric, baseline=cfg.compare.baseline,
-                           target=cfg.compare.target, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
+        rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric if explicit_metric and cfg.compare.metric != "auto" else None,
+                           baseline=cfg.compare.baseline, target=cfg.compare.target, effect=cfg.compare.effect,
+                           out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
     except ValueError as e:
         from gearlab.config import ConfigError
 
@@ -293,6 +300,15 @@ def _replay(cfg) -> int:
     out = replay(cfg)
     for k, v in out.items():
         print(f"{k}: {v}")
+    return 0
+
+
+def _credit_eval(cfg) -> int:
+    from gearlab.commands.credit_eval import credit_eval, markdown
+
+    rec = credit_eval(cfg)
+    print(markdown(rec))
+    print(f"written: {cfg.credit_eval.out_dir}/credit_eval.json, credit_eval.md, credit_eval.png (MLflow run {rec.get('mlflow_run')})")
     return 0
 
 

@@ -103,7 +103,10 @@ class AlgorithmConfig:
 
 @dataclass
 class AssignerConfig:
+    # the method's label: MLflow tag `assigner`, comparison rows, run folders ("gear", a variant "gear_random", or a
+    # grid point "gear:q_on=0.8"; gearlab.credit.methods)
     name: str = "grpo"
+    base: str = ""  # the registered assigner the method builds; "" = name (a variant YAML sets it)
     options: dict[str, Any] = field(default_factory=dict)
     plugins: list[str] = field(default_factory=list)  # extra modules / .py files to import first
 
@@ -197,7 +200,14 @@ class CompareConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     workers: int = 1  # >1: children run as parallel processes
     baseline: str = "grpo"
-    metric: str = "eval/greedy_accuracy"  # the report's headline metric (final value of each child)
+    # the primary metric, named before the comparison runs (recorded on its parent run): the final value of each
+    # child. Default: the held-out avg@k (k samples per problem on eval.num_problems problems), far less noisy
+    # than greedy accuracy on the same problems. "auto" = eval/avg@<eval.k>
+    metric: str = "auto"
+    # option grids, expanded into one method per point: compare.grid.gear.q_on=[0.8,0.9] runs gear:q_on=0.8 and
+    # gear:q_on=0.9 in place of gear (gearlab.credit.methods)
+    grid: dict[str, Any] = field(default_factory=dict)
+    effect: float = 0.03  # the difference the power line asks about (metric units: 0.03 = 3 points of accuracy)
     target: float | None = None  # accuracy to reach for "steps to target" (None: skip that column)
 
 
@@ -206,6 +216,19 @@ class ReplayConfig:
     rollouts: str = "rollouts.pt"  # cached rollout file: read if it exists, else sampled and written here
     assigners: list[str] = field(default_factory=list)  # empty = every applicable one
     prompts: int = 16
+
+
+@dataclass
+class CreditEvalConfig:
+    """``gearlab credit-eval`` (gearlab.commands.credit_eval): credit scored against the located first error."""
+
+    rollouts: str = ""  # a replay file: read if it exists, else sampled and written there; "" = sample, do not save
+    assigners: list[str] = field(default_factory=list)  # empty = every method that applies to the task
+    controls: bool = True  # when gear is scored, also score gear_random, gear_fixed and shuffle (of gear)
+    prompts: int = 64  # test problems sampled (× rollout.group_size responses)
+    out_dir: str = "credit_eval"
+    # train / compare: after the last iteration, score the final model's rollouts and log credit_eval/ to the run
+    after_training: bool = False
 
 
 @dataclass
@@ -230,6 +253,7 @@ class Config:
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)
+    credit_eval: CreditEvalConfig = field(default_factory=CreditEvalConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -289,15 +313,56 @@ def load_config(overrides: list[str] | None = None) -> Config:
     # experiment first so that explicit group selections and dotted keys override it
     groups.sort(key=lambda kv: kv[0] != "experiment")
     for group, name in groups:
-        if group == "assigner" and not (conf_dir() / "assigner" / f"{name}.yaml").is_file():
-            # a plug-in without a YAML: its defaults are its __init__'s; an unknown name fails at preflight
-            cfg = _merge(cfg, OmegaConf.create({"assigner": {"name": name}}), f"assigner={name}")
+        if group == "assigner":
+            cfg = _merge(cfg, _method_node(name), f"assigner={name}")
             continue
         cfg = _merge(cfg, _load_group(group, name), f"conf/{group}/{name}.yaml")
     for item in dotted:
         cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override {item!r}")
     validate(cfg)  # type: ignore[arg-type]
     return cfg  # type: ignore[return-value]
+
+
+def parse_label(label: str) -> tuple[str, dict[str, Any]]:
+    """A method label ``"gear:q_on=0.8,beta=2"`` → ``("gear", {"q_on": 0.8, "beta": 2})`` (values read as YAML
+    scalars); a label without a colon has no extra options. ConfigError on a malformed option list."""
+    import yaml
+
+    head, sep, tail = label.partition(":")
+    opts: dict[str, Any] = {}
+    if sep:
+        for item in tail.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"method {label!r}: {item!r} is not KEY=VALUE (write {head}:key=value,key=value)")
+            opts[key.strip()] = yaml.safe_load(value)
+    return head, opts
+
+
+def method_yaml(label: str) -> dict[str, Any] | None:
+    """The ``assigner`` node of a method label from ``conf/assigner/``: ``{"name": label, "base": registered
+    assigner, "options": {...}, ...}``, a variant's options on top of its base's YAML and a grid point's on top of
+    both; None when there is no YAML for the label's head (a plug-in, or an unknown name, which preflight reports)."""
+    head, extra = parse_label(label)
+    path = conf_dir() / "assigner" / f"{head}.yaml"
+    if not path.is_file():
+        return None
+    data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    base = str(data.get("base") or data.get("name") or head)
+    opts = dict(data.get("options") or {})
+    if base != head:  # a variant: its base's YAML options first
+        inner = method_yaml(base)
+        if inner is not None:
+            base, opts = inner["base"], {**inner["options"], **opts}
+    return {**data, "name": label, "base": base, "options": {**opts, **extra}}
+
+
+def _method_node(label: str) -> DictConfig:
+    node = method_yaml(label)
+    if node is None:  # a plug-in without a YAML: its defaults are its own; an unknown name fails at preflight
+        head, extra = parse_label(label)
+        node = {"name": label, "base": head, "options": extra}
+    return OmegaConf.create({"assigner": node})
 
 
 _CHOICES = {
@@ -316,7 +381,7 @@ _CHOICES = {
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "rollout.batch_size",
              "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.micro_batch_size",
              "signals.chunk_size", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_nonfinite",
-             "trainer.devices", "trainer.num_nodes", "rollout.vllm.bucket_mb", "rollout.vllm.tensor_parallel_size")
+             "trainer.devices", "trainer.num_nodes", "rollout.vllm.bucket_mb", "rollout.vllm.tensor_parallel_size", "credit_eval.prompts")
 
 
 def validate(cfg: Config) -> None:

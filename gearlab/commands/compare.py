@@ -9,6 +9,7 @@ Re-running the same command skips finished children and resumes a partial one fr
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -39,11 +40,13 @@ def experiment_name(cfg: Config) -> str:
     return f"compare/{cfg.compare.name}"
 
 
-def plan(cfg: Config, base_overrides: list[str], model_path: str, parent_id: str) -> list[Child]:
-    """Seed-major order, so an interrupted comparison has every method for its first seeds."""
+def plan(cfg: Config, base_overrides: list[str], model_path: str, parent_id: str,
+         names: list[str] | None = None) -> list[Child]:
+    """Seed-major order, so an interrupted comparison has every method for its first seeds. ``names``: the methods
+    (default ``compare.assigners``; grid points already expanded by :func:`methods_of`)."""
     out = []
     for seed in cfg.compare.seeds:
-        for a in cfg.compare.assigners:
+        for a in names or cfg.compare.assigners:
             out.append(Child(a, seed, [*base_overrides, f"assigner={a}", f"trainer.seed={seed}",
                                        f"model.name_or_path={model_path}",
                                        f"trainer.run_name={cfg.compare.name}/{a}-s{seed}",
@@ -66,16 +69,41 @@ def find_runs(client: mlflow.MlflowClient, exp_id: str, comparison: str) -> tupl
     return parent, children
 
 
+def methods_of(cfg: Config) -> list[str]:
+    """The comparison's methods: ``compare.assigners`` with every ``compare.grid`` entry expanded into one method per
+    point (``gear`` → ``gear:q_on=0.8``, ``gear:q_on=0.9``, …). ConfigError for an unknown method or grid key."""
+    from gearlab.credit.methods import available_methods, expand_grid, method_spec
+
+    grid = OmegaConf.to_container(cfg.compare.grid) if cfg.compare.grid else {}
+    for m, axes in grid.items():
+        if not isinstance(axes, dict) or not axes:
+            raise ConfigError(f"key 'compare.grid.{m}': expected option lists, e.g. compare.grid.{m}.q_on=[0.8,0.9]")
+    names = expand_grid(list(cfg.compare.assigners), grid)
+    unknown = []
+    for n in names:
+        try:
+            method_spec(n)
+        except (KeyError, ValueError):
+            unknown.append(n)
+    if unknown:
+        raise ConfigError(f"key 'compare.assigners': unknown {unknown}; known: {', '.join(available_methods())}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"key 'compare.assigners': a method is listed twice: {names}")
+    return names
+
+
+def primary_metric(cfg: Config) -> str:
+    """``compare.metric``, with "auto" resolved to the held-out avg@k (``eval/avg@<eval.k>``)."""
+    return f"eval/avg@{cfg.eval.k}" if cfg.compare.metric == "auto" else cfg.compare.metric
+
+
 def compare(cfg: Config, base_overrides: list[str]) -> dict:
     from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
     from gearlab.trainer.train import preflight
 
-    names = list(cfg.compare.assigners)
     for spec in cfg.assigner.plugins:
         credit.load_module(spec)
-    unknown = [n for n in names if n not in credit.available()]
-    if unknown:
-        raise ConfigError(f"key 'compare.assigners': unknown {unknown}; known: {', '.join(credit.available())}")
+    names = methods_of(cfg)
     if not cfg.compare.seeds:
         raise ConfigError("key 'compare.seeds': at least one seed is needed")
     if cfg.compare.baseline not in names:
@@ -96,7 +124,8 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
     if parent is None:
         parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
             "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
-            "assigners": ",".join(names), "seeds": ",".join(map(str, cfg.compare.seeds)), "baseline": cfg.compare.baseline,
+            "assigners": ",".join(names), "methods_json": json.dumps(names), "seeds": ",".join(map(str, cfg.compare.seeds)),
+            "baseline": cfg.compare.baseline, "primary_metric": primary_metric(cfg), "effect": str(cfg.compare.effect),
             **version_tags()})
         params = {k: str(v)[:6000] for k, v in flatten(cfg).items() if not k.startswith("assigner.")}
         for k, v in params.items():
@@ -106,11 +135,16 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
         client.update_run(parent.info.run_id, status="RUNNING")
         record_versions(client, parent.info.run_id)  # a changed version is kept as "old -> new"
     pid = parent.info.run_id
-    children = plan(cfg, base_overrides, model_path, pid)
+    children = plan(cfg, base_overrides, model_path, pid, names)
+    primary = parent.data.tags.get("primary_metric", primary_metric(cfg))
+    if primary != primary_metric(cfg):
+        print(f"[compare] WARNING: this comparison named {primary!r} as its primary metric before it ran; the report "
+              f"stays on it (gearlab report {cfg.compare.name} compare.metric=... shows another)", flush=True)
     todo = [c for c in children if not (c.assigner, c.seed) in done
             or done[(c.assigner, c.seed)].info.status != RunStatus.to_string(RunStatus.FINISHED)]
     print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} seeds), "
-          f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}", flush=True)
+          f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}; "
+          f"primary metric: {primary} (final value, paired by seed against {cfg.compare.baseline})", flush=True)
     t_start, durations, failed, stopped = time.time(), [], [], []
 
     def finish(c: Child, outcome: str, secs: float, err: str = "") -> None:
@@ -145,8 +179,8 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
         return {"failed": failed, "stopped": stopped, "interrupted": True, "report": None, "plot": None}
     from gearlab.commands.report import build_report
 
-    rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric, baseline=cfg.compare.baseline,
-                       target=cfg.compare.target, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
+    rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=primary, baseline=cfg.compare.baseline,
+                       target=cfg.compare.target, effect=cfg.compare.effect, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
     client.set_terminated(pid, "FINISHED" if not failed else "FAILED")
     print(rep.table)
     print(f"[compare] {len(children) - len(failed)}/{len(children)} runs finished in {(time.time() - t_start) / 60:.1f} min")
@@ -173,8 +207,16 @@ def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, f
         os.dup2(fd, 2)
         os.close(fd)
     try:
-        res = train(load_config(overrides))
+        cfg = load_config(overrides)
+        res = train(cfg)
         outcome, err = ("stopped" if res.stopped_early else "ok"), ""
+        if outcome == "ok" and cfg.credit_eval.after_training:
+            from gearlab.commands.credit_eval import after_training
+
+            try:  # the run itself finished: a failed scoring is reported, not a failed child
+                after_training(cfg, res)
+            except Exception as e:
+                print(f"[credit-eval] {cfg.assigner.name}-s{cfg.trainer.seed}: failed: {type(e).__name__}: {e}", flush=True)
     except (Exception, SystemExit) as e:  # a crashed child is recorded and the comparison goes on
         outcome, err = "failed", "".join(traceback.format_exception(e))[-4000:]
     finally:

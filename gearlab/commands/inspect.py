@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from gearlab import credit
 from gearlab.core.batch import RolloutBatch
-from gearlab.config import Config, ConfigError, conf_dir
+from gearlab.config import Config, ConfigError
 from gearlab.credit import Signal
+from gearlab.credit.methods import available_methods, build_method, method_spec
 from gearlab.core.grpo import group_advantages
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.base import SamplingParams
@@ -41,10 +41,20 @@ TRACE_SIGNALS = {Signal.TEACHER_KL: "kl", Signal.ENTROPY: "entropy", Signal.TEAC
                  Signal.INPUT_GRAD_SALIENCY: "input_grad_saliency", Signal.PERTURBATION_SALIENCY: "perturbation_saliency"}
 
 
-def assigner_options(name: str) -> dict[str, Any]:
-    """The options of conf/assigner/<name>.yaml, or {} for a plug-in without one."""
-    path = conf_dir() / "assigner" / f"{name}.yaml"
-    return dict(OmegaConf.to_container(OmegaConf.load(path)).get("options") or {}) if path.is_file() else {}
+def applicable_methods(task: Any, names: list[str] | None = None, key: str = "inspect.assigners") -> list[str]:
+    """``names`` checked (variants and grid points included), or every registered assigner that applies to the task
+    (turn methods only on multi-turn tasks). ConfigError naming ``key`` for an unknown method."""
+    if names:
+        bad = []
+        for n in names:
+            try:
+                method_spec(n)
+            except (KeyError, ValueError):
+                bad.append(n)
+        if bad:
+            raise ConfigError(f"key '{key}': unknown {bad}; known: {', '.join(available_methods())}")
+        return list(names)
+    return [n for n in credit.available() if not credit.get(n).requires_turns or getattr(task, "multi_turn", False)]
 
 
 def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engine: HFRolloutEngine, problems, group_size: int,
@@ -56,7 +66,7 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
     cache: dict[tuple[str, Signal], torch.Tensor] = {}
     out: dict[str, Any] = {"seq_adv": seq_adv, "credit": {}, "signals": {}, "segments": {}, "metrics": {}}
     for name in names:
-        a = credit.build(name, assigner_options(name))
+        a = build_method(name)
         a.setup(seed=seed, total_steps=1, task=task)
         ctx = a.teacher_context if needs_teacher(a) else "none"
         batch = rb
@@ -86,11 +96,7 @@ def inspect(cfg: Config) -> dict[str, str]:
     from gearlab.models.loading import load_for_evaluation
 
     task = task_from_config(cfg)
-    names = list(cfg.inspect.assigners) or [n for n in credit.available()
-                                            if not credit.get(n).requires_turns or getattr(task, "multi_turn", False)]
-    unknown = [n for n in names if n not in credit.available()]
-    if unknown:
-        raise ConfigError(f"key 'inspect.assigners': unknown {unknown}; known: {', '.join(credit.available())}")
+    names = applicable_methods(task, list(cfg.inspect.assigners))
     model, tok, model_name = load_for_evaluation(cfg)
     G = cfg.rollout.group_size
     problems = task.problems("test", cfg.inspect.prompts, cfg.trainer.seed)

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gearlab import credit
 from gearlab.core.batch import RolloutBatch
-from gearlab.config import Config, ConfigError
+from gearlab.config import Config
 from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.factory import engine_from_config
 from gearlab.tasks.base import Problem
@@ -33,7 +32,22 @@ FORMAT = "gearlab-rollouts-v1"
 def save_rollouts(path: Path, rb: RolloutBatch, problems: list[Problem], info: dict[str, Any]) -> None:
     tensors = {k: v.cpu() for k, v in vars(rb).items() if isinstance(v, Tensor)}
     torch.save({"format": FORMAT, "tensors": tensors, "meta": rb.meta, "info": info,
-                "problems": [{"prompt": p.prompt, "answer": p.answer, "solution": p.solution} for p in problems]}, path)
+                "problems": [{"prompt": p.prompt, "answer": p.answer, "solution": p.solution, "meta": _plain(p.meta)}
+                             for p in problems]}, path)
+
+
+def _plain(meta: dict[str, Any]) -> dict[str, Any]:
+    """The problem's meta as plain data (what ``torch.load(weights_only=True)`` reads back: the operands a task
+    needs to locate errors); values that are not plain data are dropped."""
+    import json
+
+    out = {}
+    for k, v in meta.items():
+        try:
+            out[k] = json.loads(json.dumps(v))
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def load_rollouts(path: Path) -> tuple[RolloutBatch, list[Problem], dict[str, Any]]:
@@ -84,7 +98,7 @@ def credit_stats(rb: RolloutBatch, seq_adv: Tensor, credit_by: dict[str, Tensor]
 
 def replay(cfg: Config) -> dict[str, Any]:
     from gearlab.models.loading import load_for_evaluation
-    from gearlab.commands.inspect import run_assigners
+    from gearlab.commands.inspect import applicable_methods, run_assigners
     from gearlab.trainer.tracking import ensure_experiment, tracking_uri
 
     task = task_from_config(cfg)
@@ -104,11 +118,7 @@ def replay(cfg: Config) -> dict[str, Any]:
                 "temperature": cfg.rollout.temperature}
         path.parent.mkdir(parents=True, exist_ok=True)
         save_rollouts(path, rb, problems, info)
-    names = list(cfg.replay.assigners) or [n for n in credit.available()
-                                           if not credit.get(n).requires_turns or getattr(task, "multi_turn", False)]
-    unknown = [n for n in names if n not in credit.available()]
-    if unknown:
-        raise ConfigError(f"key 'replay.assigners': unknown {unknown}; known: {', '.join(credit.available())}")
+    names = applicable_methods(task, list(cfg.replay.assigners), "replay.assigners")
     res = run_assigners(rb, names, model=model, tokenizer=tok, engine=engine, problems=problems, group_size=G,
                         temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                         micro_batch_size=cfg.algorithm.micro_batch_size, seed=cfg.trainer.seed, task=task)

@@ -11,14 +11,29 @@ smoothed over a 5-iteration window; a run that never reaches it is reported as s
 Provenance: the finished children's ``versions.*`` tags and ``git_sha`` are compared; a difference is a
 WARNING line under the table (and ``version_mismatch`` in report.json). Runs without the tags (made
 before gearlab recorded them) count as "unknown", which alone is no mismatch.
+
+Power (:mod:`gearlab.core.power`): per non-baseline method, the SD of the per-seed paired differences, the
+smallest true paired difference the seeds had 80% power to detect (two-sided paired t-test at α = 0.05, exact
+noncentral t) and the seeds a stated ``effect`` (metric units, default 0.03 = 3 points of an accuracy) would
+need. Printed under the table as one ``power:`` line per method, with a ``learning:`` line saying whether each
+method's 95% interval of the change from start excludes 0; in report.json as ``learning`` and ``paired`` per row.
+
+The headline metric: the ``metric`` argument, else the parent run's ``primary_metric`` tag, else
+``eval/greedy_accuracy``. Children that logged a ``credit_eval/credit_eval.json`` artifact add a "credit vs known
+errors" table (:func:`credit_eval_table`).
+
 The headline numbers are also logged on the comparison's parent run, at step 0: ``<method>/final_mean``,
 ``<method>/final_ci95``, ``<method>/n``, ``<method>/paired_diff``, ``<method>/paired_ci95``,
-``<method>/paired_n``, ``<method>/s_per_iter``, ``<method>/wall_min`` (a re-built report logs them again).
+``<method>/paired_n``, ``<method>/paired_sd``, ``<method>/mde80``, ``<method>/n_needed``,
+``<method>/learning_mean``, ``<method>/learning_ci95``, ``<method>/s_per_iter``, ``<method>/wall_min``
+(a re-built report logs them again).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +42,16 @@ import mlflow
 from mlflow.entities import RunStatus
 
 from gearlab.core.metrics import sanitize_metric_key
+from gearlab.core.power import mde_paired, paired_sd, seeds_needed
 from gearlab.trainer.provenance import TAG_PREFIX
 
+DEFAULT_METRIC = "eval/greedy_accuracy"
 CURVE = "train/accuracy"
+POWER, ALPHA = 0.8, 0.05  # the power line: detectable at 80% power, two-sided paired t-test at 5%
+CREDIT_EVAL_ARTIFACT = "credit_eval/credit_eval.json"
+# the credit-eval table's columns: (key in credit_eval.json's "assigners" entries, header)
+CREDIT_FIELDS = (("auroc", "AUROC"), ("blame_ratio", "blame ratio"), ("prefix_share", "prefix share"),
+                 ("onset_precision", "onset precision"), ("onset_recall", "onset recall"))
 SMOOTH = 5
 # multi-turn tasks: how the final greedy episodes used their tools (a second table when runs logged them)
 TOOL_METRICS = {"eval/greedy_tool_call_frac": "called a tool", "eval/greedy_correct_call_frac": "correct calls",
@@ -45,6 +67,7 @@ class Report:
     missing: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     version_mismatch: list[dict[str, Any]] = field(default_factory=list)
+    credit_eval: dict[str, Any] | None = None
 
 
 def t_interval(xs: list[float]) -> tuple[float, float | None]:
@@ -92,12 +115,27 @@ def load_comparison(tracking: str, comparison: str) -> tuple[mlflow.MlflowClient
     return client, parent, children, runs
 
 
-def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_accuracy", baseline: str = "grpo",
-                 target: float | None = None, out_dir: Path | str = "report", log_to_parent: bool = True) -> Report:
+def build_report(tracking: str, comparison: str, *, metric: str | None = None, baseline: str = "grpo",
+                 target: float | None = None, out_dir: Path | str = "report", log_to_parent: bool = True,
+                 effect: float = 0.03) -> Report:
+    """Rebuild the comparison's table, power and learning lines, plot, report.md and report.json from MLflow.
+
+    ``metric``: the headline metric; None takes the parent run's ``primary_metric`` tag, else
+    ``eval/greedy_accuracy``. ``effect``: the paired difference (metric units; 0.03 = 3 points of an accuracy)
+    whose needed number of seeds the power line states."""
     client, parent, children, _ = load_comparison(tracking, comparison)
+    tag_metric = parent.data.tags.get("primary_metric") if parent is not None else None
+    if metric:
+        metric_source = "argument"
+    elif tag_metric:
+        metric, metric_source = tag_metric, "parent tag primary_metric"
+    else:
+        metric, metric_source = DEFAULT_METRIC, "default"
     if parent is not None:
         baseline = parent.data.tags.get("baseline", baseline) if baseline is None else baseline
-        order = parent.data.tags.get("assigners", "").split(",")
+        # methods_json: the methods in order (grid-point labels may contain commas); older parents: "assigners"
+        order = (json.loads(parent.data.tags["methods_json"]) if "methods_json" in parent.data.tags
+                 else parent.data.tags.get("assigners", "").split(","))
         seeds = [int(s) for s in parent.data.tags.get("seeds", "").split(",") if s]
     else:
         order, seeds = sorted({r.data.tags["assigner"] for r in children}), []
@@ -149,11 +187,16 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
         sm, _ = t_interval([start[a][s] for s in learned])
         cm, chw = t_interval([final[a][s] - start[a][s] for s in learned])
         row.update(start=sm, change=cm, change_ci95=chw, change_n=len(learned))
+        row["learning"] = {"mean": _num(cm), "half_width": chw, "n": len(learned)}
         if a != baseline:
             common = sorted(set(final[a]) & set(final.get(baseline, {})))
             diffs = [final[a][s] - final[baseline][s] for s in common]
             dm, dhw = t_interval(diffs)
             row.update(diff=dm, diff_ci95=dhw, diff_n=len(diffs))
+            sd = paired_sd(diffs)
+            row["paired"] = {"diff": _num(dm), "half_width": dhw, "sd": _num(sd),
+                             "mde80": _num(mde_paired(sd, len(diffs), power=POWER, alpha=ALPHA)),
+                             "n_needed": seeds_needed(effect, sd, power=POWER, alpha=ALPHA), "n": len(diffs)}
         c = cost[a]
         row.update({k: (sum(x[k] for x in c) / len(c) if c else float("nan")) for k in ("s_per_iter", "wall_min", "tokens")})
         if target is not None:
@@ -164,12 +207,20 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
         rows.append(row)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table = _table(rows, metric, baseline, target, pct=metric.endswith("accuracy") or "@" in metric)
+    pct = _pct(metric)
+    table = _table(rows, metric, baseline, target, pct=pct)
+    table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct)])
     if tool_final:
         for row in rows:
             row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tool_final.get(row["assigner"], {}).items()}
         table += "\n\n" + _tool_table(rows)
     labelled = {f"{a}-s{s}": finished[(a, s)] for a in order for s in sorted(s_ for a_, s_ in finished if a_ == a)}
+    evals = _credit_evals(client, labelled)
+    credit = None
+    if evals:
+        credit_md, credit = credit_eval_table([d for _, d in evals])
+        credit["runs"] = [label for label, _ in evals]
+        table += "\n\n" + credit_md
     mismatch, unknown = version_mismatch(labelled)
     warnings = [_mismatch_line(m) for m in mismatch]
     if unknown:
@@ -181,14 +232,175 @@ def build_report(tracking: str, comparison: str, *, metric: str = "eval/greedy_a
     _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric, baseline=baseline)
     md = out / "report.md"
     md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target))
-    (out / "report.json").write_text(json.dumps({"comparison": comparison, "metric": metric, "baseline": baseline,
-                                                 "rows": rows, "missing": missing, "version_mismatch": mismatch,
-                                                 "versions_unknown": unknown}, indent=2, default=str))
+    (out / "report.json").write_text(json.dumps({
+        "comparison": comparison, "metric": metric, "primary_metric": metric, "primary_metric_source": metric_source,
+        "baseline": baseline, "power_settings": {"power": POWER, "alpha": ALPHA, "effect": effect},
+        "rows": rows, "missing": missing, "version_mismatch": mismatch, "versions_unknown": unknown,
+        "credit_eval": credit}, indent=2, default=str))
     if log_to_parent and parent is not None:
         for f in (md, plot, out / "report.json"):
             client.log_artifact(parent.info.run_id, str(f), "report")
         log_headline(client, parent.info.run_id, rows)
-    return Report(table, md, plot, rows, missing, warnings, mismatch)
+    return Report(table, md, plot, rows, missing, warnings, mismatch, credit)
+
+
+def _num(v: float | None) -> float | None:
+    """A number for report.json's nested records: NaN (not computable) becomes None (JSON null)."""
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def _pct(metric: str) -> bool:
+    """Whether the metric is shown in percent / points (accuracy and ``@`` metrics)."""
+    return metric.endswith("accuracy") or "@" in metric
+
+
+def _amount(v: float, pct: bool, signed: bool = False) -> str:
+    """A difference in the metric's units: ``4.1 points`` for percent-like metrics (×100), else ``0.0412``."""
+    if pct:
+        return f"{100 * v:{'+' if signed else ''}.1f} points"
+    return f"{v:{'+' if signed else ''}.3g}"
+
+
+def learning_line(rows: list[dict[str, Any]], pct: bool) -> str:
+    """``learning: grpo +6.1 ± 3.2 points (n=5, excludes 0); gear …`` — each method's paired change from its start
+    with the 95% t half-width, and whether that interval excludes 0 (the method learned, or got worse). One seed:
+    ``(n=1, no interval)``; no start logged: ``–``. Raw units (``+0.061 ± 0.032``) for metrics not in percent."""
+    parts = []
+    for r in rows:
+        lr = r.get("learning") or {}
+        m, hw, n = lr.get("mean"), lr.get("half_width"), lr.get("n", 0)
+        unit = " points" if pct else ""
+        if m is None:
+            parts.append(f"{r['assigner']} – (no start logged)")
+        elif hw is None:
+            parts.append(f"{r['assigner']} {_amount(m, pct, signed=True)} (n={n}, no interval)")
+        else:
+            num, h = _amount(m, pct, signed=True).removesuffix(unit), _amount(hw, pct).removesuffix(unit)
+            parts.append(f"{r['assigner']} {num} ± {h}{unit} (n={n}, {'excludes 0' if abs(m) > hw else 'includes 0'})")
+    return "learning: " + "; ".join(parts)
+
+
+def power_lines(rows: list[dict[str, Any]], baseline: str, effect: float, pct: bool) -> list[str]:
+    """One line per non-baseline method: ``power: gear vs grpo: paired SD 4.1 points (n=3); smallest difference
+    detectable at 80% power (two-sided α=0.05): 12.3 points; detecting 3 points needs 23 seeds``."""
+    eff = f"{100 * effect:g} points" if pct else f"{effect:g}"
+    out = []
+    for r in rows:
+        p = r.get("paired")
+        if p is None:
+            continue
+        head = f"power: {r['assigner']} vs {baseline}: "
+        if p["sd"] is None:
+            out.append(head + f"not computable (n={p['n']} paired seeds; the paired SD needs at least 2)")
+            continue
+        need = p["n_needed"]
+        tail = ("" if effect == 0 else f"; detecting {eff} needs " +
+                (f"{need} seeds" if need is not None else "more than 10000 seeds"))
+        out.append(head + f"paired SD {_amount(p['sd'], pct)} (n={p['n']}); smallest difference detectable at "
+                   f"{100 * POWER:.0f}% power (two-sided α={ALPHA:g}): {_amount(p['mde80'], pct)}" + tail)
+    return out
+
+
+def _credit_evals(client: mlflow.MlflowClient, runs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The ``credit_eval/credit_eval.json`` artifacts of the runs ({label: run}) that have one, as (label, dict);
+    a run without it (or with an unreadable one) is skipped."""
+    out = []
+    folder, _, name = CREDIT_EVAL_ARTIFACT.rpartition("/")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, r in runs.items():
+            try:
+                if not any(a.path == CREDIT_EVAL_ARTIFACT for a in client.list_artifacts(r.info.run_id, folder)):
+                    continue
+                dst = os.path.join(tmp, label)
+                os.makedirs(dst, exist_ok=True)
+                data = json.loads(Path(client.download_artifacts(r.info.run_id, CREDIT_EVAL_ARTIFACT, dst)).read_text())
+            except Exception:  # noqa: BLE001 - a missing or broken artifact only leaves the table out
+                continue
+            if isinstance(data, dict) and isinstance(data.get("assigners"), dict):
+                out.append((label, data))
+    return out
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _stat(vals: list[float]) -> dict[str, Any]:
+    m, hw = t_interval(vals)
+    return {"mean": _num(m), "half_width": hw, "n": len(vals)}
+
+
+def credit_eval_table(evals: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The "credit vs known errors" table from one or more ``credit_eval.json`` dicts (one per run).
+
+    Rows: the scored assigner names (keys of ``"assigners"``, in order of first appearance); columns: AUROC,
+    blame ratio, prefix share and, when any file has them, onset precision / recall — each the mean over the
+    files that have a finite value, with the 95% t half-width and n when there are several files (a single
+    file gives its values, no interval). A line under the table gives the signals' AUROC the same way.
+    Returns (markdown text, summary) with summary ``{"n_files", "tasks", "models", "n_trajectories",
+    "n_failed_located", "assigners": {name: {field: {"mean", "half_width", "n"}, "n_files", "n_scored"}},
+    "signals": {signal: {"auroc": {"mean", "half_width", "n"}}}}`` (absent fields are left out)."""
+    k = len(evals)
+    names = list(dict.fromkeys(a for d in evals for a in (d.get("assigners") or {})))
+    sigs = list(dict.fromkeys(s for d in evals for s in (d.get("signals") or {})))
+    fields = list(CREDIT_FIELDS[:3]) + [  # the onset columns only when some file scored a segmenting method
+        (f, h) for f, h in CREDIT_FIELDS[3:]
+        if any(_finite(((d.get("assigners") or {}).get(a) or {}).get(f)) for d in evals for a in names)]
+
+    def total(key: str) -> int | None:
+        vals = [d[key] for d in evals if _finite(d.get(key))]
+        return int(sum(vals)) if vals else None
+
+    summary: dict[str, Any] = {
+        "n_files": k, "tasks": sorted({str(d["task"]) for d in evals if d.get("task") is not None}),
+        "models": sorted({str(d["model"]) for d in evals if d.get("model") is not None}),
+        "n_trajectories": total("n_trajectories"), "n_failed_located": total("n_failed_located"),
+        "assigners": {}, "signals": {}}
+
+    def cell(st: dict[str, Any] | None) -> str:
+        if st is None or st["mean"] is None:
+            return "–"
+        if k == 1:
+            return f"{st['mean']:.3f}"
+        return (f"{st['mean']:.3f} ± {st['half_width']:.3f} (n={st['n']})" if st["half_width"] is not None
+                else f"{st['mean']:.3f} (n={st['n']})")
+
+    lines = [["assigner", *[h for _, h in fields], "scored"]]
+    for a in names:
+        entries = [d["assigners"][a] for d in evals if isinstance((d.get("assigners") or {}).get(a), dict)]
+        rec: dict[str, Any] = {}
+        for f, _ in CREDIT_FIELDS:
+            vals = [float(e[f]) for e in entries if _finite(e.get(f))]
+            if vals:
+                rec[f] = _stat(vals)
+        ns = [e["n"] for e in entries if _finite(e.get("n"))]
+        rec["n_files"], rec["n_scored"] = len(entries), (int(sum(ns)) if ns else None)
+        summary["assigners"][a] = rec
+        lines.append([a, *[cell(rec.get(f)) for f, _ in fields], "–" if rec["n_scored"] is None else str(rec["n_scored"])])
+    for s in sigs:
+        vals = [float(d["signals"][s]["auroc"]) for d in evals
+                if isinstance((d.get("signals") or {}).get(s), dict) and _finite(d["signals"][s].get("auroc"))]
+        summary["signals"][s] = {"auroc": _stat(vals)} if vals else {}
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(lines[0]))]
+    fmt = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    ctx = []
+    if summary["tasks"]:
+        ctx.append("task " + ", ".join(summary["tasks"]))
+    if summary["models"]:
+        ctx.append("model " + ", ".join(summary["models"]))
+    count = f"{k} file{'s' if k != 1 else ''}"
+    if summary["n_trajectories"] is not None:
+        count += f", {summary['n_trajectories']} trajectories"
+    if summary["n_failed_located"] is not None:
+        count += f", {summary['n_failed_located']} failed with the wrong step located"
+    ctx.append(count)
+    head = "credit vs known errors (" + "; ".join(ctx) + ("" if k == 1 else "; mean ± 95% t over files") + ")"
+    # blank lines around the table: in Markdown a text line right after a table's rows would join the table
+    out = [head, "", fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])]
+    if sigs:
+        out += [""]
+        out.append("signals AUROC: " + "; ".join(f"{s} {cell(summary['signals'][s].get('auroc'))}" for s in sigs))
+    return "\n".join(out), summary
 
 
 def parent_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -197,9 +409,11 @@ def parent_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for r in rows:
         for name, k in (("final_mean", "mean"), ("final_ci95", "ci95"), ("n", "n"), ("paired_diff", "diff"),
-                        ("paired_ci95", "diff_ci95"), ("paired_n", "diff_n"), ("s_per_iter", "s_per_iter"),
-                        ("wall_min", "wall_min")):
-            v = r.get(k)
+                        ("paired_ci95", "diff_ci95"), ("paired_n", "diff_n"), ("paired_sd", ("paired", "sd")),
+                        ("mde80", ("paired", "mde80")), ("n_needed", ("paired", "n_needed")),
+                        ("learning_mean", ("learning", "mean")), ("learning_ci95", ("learning", "half_width")),
+                        ("s_per_iter", "s_per_iter"), ("wall_min", "wall_min")):
+            v = (r.get(k[0]) or {}).get(k[1]) if isinstance(k, tuple) else r.get(k)
             if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
                 out[sanitize_metric_key(f"{r['assigner']}/{name}")] = float(v)
     return out
@@ -254,14 +468,16 @@ def _status(children: list[Any], a: str, s: int) -> str:
 
 def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float | None, pct: bool) -> str:
     head = ["method", f"final {metric}" + (" (%)" if pct else ""), "start", "change from start",
-            f"Δ vs {baseline} (paired)", "s / iter", "wall min", "gen. tokens"]
+            f"Δ vs {baseline} (paired)", "MDE80", "s / iter", "wall min", "gen. tokens"]
     if target is not None:
         head += [f"reached {target:g}", "steps to target", "wall s to target", "tokens to target"]
     lines = [head]
     for r in rows:
         d = "baseline" if r["assigner"] == baseline else _fmt(r.get("diff", float("nan")), r.get("diff_ci95"), r.get("diff_n", 0), pct)
+        mde = (r.get("paired") or {}).get("mde80")
+        mde_s = "–" if mde is None else _fmt(mde, None, 0, pct).split(" (")[0]
         line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct), _fmt(r.get("start", float("nan")), None, 0, pct).split(" (")[0],
-                _fmt(r.get("change", float("nan")), r.get("change_ci95"), r.get("change_n", 0), pct), d,
+                _fmt(r.get("change", float("nan")), r.get("change_ci95"), r.get("change_n", 0), pct), d, mde_s,
                 f"{r['s_per_iter']:.2f}", f"{r['wall_min']:.1f}",
                 f"{r['tokens']:.0f}" if r["tokens"] == r["tokens"] else "–"]
         if target is not None:
@@ -296,7 +512,13 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
              f"Headline: final `{metric}` of each run (the held-out evaluation after the last iteration). "
              "Mean ± half-width of the two-sided 95% Student-t interval over seeds; n = seeds. "
              f"Δ = paired per-seed difference to `{baseline}` (same seeds, same prompts, same sampling seeds), "
-             "same interval on the differences. s / iter = rollout + signals + update per iteration.", "", table, ""]
+             "same interval on the differences. MDE80 = the smallest paired difference the seeds had 80% power to "
+             "detect (two-sided paired t-test at 5%, exact noncentral t). s / iter = rollout + signals + update per "
+             "iteration.", "",
+             "Under the table: `learning:` gives each method's paired change from its start and whether its 95% interval "
+             "excludes 0; each `power:` line the SD of the per-seed paired differences, the MDE80 and the seeds a stated "
+             "difference would need (docs/comparisons.md, \"Reading the power line\"). A difference whose interval "
+             "contains 0 is only \"no difference larger than the MDE80 could be seen\".", "", table, ""]
     if target is not None:
         parts += [f"Steps to target: first iteration where the training accuracy, averaged over a {SMOOTH}-iteration window, "
                   f"reaches {target:g}; averaged over the seeds that reached it.", ""]

@@ -19,18 +19,37 @@ Characters are mapped to tokens by decoding the generated tokens cumulatively: t
 the characters [len(decode(ids[:k])), len(decode(ids[:k+1]))). A fast path decodes each token
 once and uses it when the pieces concatenate to the full decoded text (true for byte-level BPE
 on ASCII); otherwise the boundary token is found by bisection over prefix decodes.
+
+Error spans (``error_token_mask``, ``locate_errors``): a task's :meth:`~gearlab.tasks.base.Task.locate_error`
+gives the character span of the first wrong step in the row's text ``meta["texts"][i]``; the same
+character-to-token machinery (per-token pieces; where they do not concatenate, an exact grouping of the
+tokens that share a character instead of the bisection) marks the generated tokens that overlap it. The text must be reproduced
+exactly by decoding the row's tokens under one of the engines' conventions (``_TEXT_CONVENTIONS``):
+
+  single-turn  the generated tokens (``response_mask``), ``skip_special_tokens=True``
+               (gearlab.rollout.hf: ``batch_decode`` of the masked response);
+  multi-turn   every real token (``attention_mask``: policy and environment), ``skip_special_tokens=False``
+               (gearlab.rollout.multiturn: the episode transcript).
+
+The first convention that reproduces the text is used; a row that none reproduces gets no marked
+position (never a guessed one).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
 
+from gearlab.core.batch import RolloutBatch
 from gearlab.signals.registry import Signal, SignalContext, register_signal
 
-__all__ = ["ANSWER_MARKER", "ResponseSegments", "response_segments", "answer_positions", "reasoning_mask_signal"]
+if TYPE_CHECKING:
+    from gearlab.tasks.base import Problem, Task
+
+__all__ = ["ANSWER_MARKER", "ResponseSegments", "response_segments", "answer_positions", "reasoning_mask_signal",
+           "error_token_mask", "locate_errors"]
 
 ANSWER_MARKER = "Answer:"
 
@@ -49,10 +68,10 @@ class ResponseSegments:
         return self.conclude | self.value
 
 
-def _char_starts(tokenizer: Any, ids: list[int], text: str) -> list[int] | None:
+def _char_starts(tokenizer: Any, ids: list[int], text: str, skip_special_tokens: bool = True) -> list[int] | None:
     """Character offset in ``text`` (= decode(ids)) where each token starts, plus len(text) at the end;
     None when the per-token pieces do not concatenate to ``text`` (then the caller bisects)."""
-    pieces = [tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+    pieces = [tokenizer.decode([i], skip_special_tokens=skip_special_tokens) for i in ids]
     if "".join(pieces) != text:
         return None
     starts = [0]
@@ -142,3 +161,108 @@ def reasoning_mask_signal(ctx: SignalContext) -> Tensor:
     b = ctx.batch
     reasoning, _ = answer_positions(ctx.tokenizer, b.response_ids, b.response_mask)
     return reasoning.float()
+
+
+# ---------------------------------------------------------------------------------------------- error spans
+
+#: (which tokens, skip_special_tokens) tried in order to reproduce a row's text: "generated" = the
+#: response_mask positions, "real" = the attention_mask positions (policy and environment tokens).
+_TEXT_CONVENTIONS: tuple[tuple[str, bool], ...] = (("generated", True), ("real", False), ("real", True),
+                                                   ("generated", False))
+
+
+def _row_layout(tokenizer: Any, ids: Tensor, generated: Tensor, real: Tensor, text: str
+                ) -> tuple[list[int], list[int], bool] | None:
+    """(positions, token ids, skip_special_tokens) of the first convention whose decoding is exactly
+    ``text``, or None when none is."""
+    for which, skip in _TEXT_CONVENTIONS:
+        pos = (generated if which == "generated" else real).nonzero().flatten().tolist()
+        row = [int(ids[p]) for p in pos]
+        if row and tokenizer.decode(row, skip_special_tokens=skip) == text:
+            return pos, row, skip
+    return None
+
+
+def _tokens_overlapping(tokenizer: Any, ids: list[int], text: str, start: int, end: int, skip: bool) -> list[int]:
+    """Indices (into ``ids``, whose decoding is ``text``) of the tokens with a character in [start, end).
+
+    Fast path: the per-token pieces (``_char_starts``). Otherwise (a character split over several byte
+    tokens, or a decoder that joins pieces) tokens are grouped between the "clean" boundaries k where
+    decode(ids[:k]) is a prefix of ``text``: a group's tokens together spell its characters, and a group
+    is marked whole when those overlap the span. (Bisecting prefix lengths is not exact here: a prefix
+    that ends inside a character decodes to replacement characters, so its length overstates its extent.)
+    Zero-width tokens (special tokens skipped by the decoding) are never marked.
+    """
+    starts = _char_starts(tokenizer, ids, text, skip_special_tokens=skip)
+    if starts is not None:
+        return [k for k in range(len(ids)) if starts[k] < end and starts[k + 1] > start and starts[k + 1] > starts[k]]
+    out: list[int] = []
+    a, ca = 0, 0  # the open group's first token and first character
+    for b in range(1, len(ids) + 1):
+        if ca >= end:
+            break
+        prefix = text if b == len(ids) else tokenizer.decode(ids[:b], skip_special_tokens=skip)
+        if len(prefix) < ca or not text.startswith(prefix):
+            continue  # inside a character: the group goes on
+        if len(prefix) > ca and len(prefix) > start:
+            out += range(a, b)
+        a, ca = b, len(prefix)
+    return out
+
+
+def error_token_mask(tokenizer: Any, batch: RolloutBatch, spans: Sequence[tuple[int, int] | None]) -> Tensor:
+    """[B, T] bool: the response tokens whose characters overlap ``spans[i]`` (in ``batch.meta["texts"][i]``'s
+    coordinates, end exclusive), among the tokens the policy generated (``response_mask``).
+
+    A row's tokens are decoded under the engines' conventions (module docstring) until one reproduces its text
+    exactly; a row that none reproduces, a None span and an empty span (after clipping to the text) mark
+    nothing. Special tokens (the stop token, pads) and environment tokens are never marked.
+    """
+    if tokenizer is None:
+        raise ValueError("error_token_mask needs the tokenizer")
+    B, T = batch.response_ids.shape
+    texts = batch.meta.get("texts")
+    if texts is None or len(texts) != B:
+        raise ValueError(f"error_token_mask needs batch.meta['texts'] with one text per row ({B})")
+    if len(spans) != B:
+        raise ValueError(f"error_token_mask got {len(spans)} spans for {B} rows")
+    out = torch.zeros(B, T, dtype=torch.bool)
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    ids_cpu = batch.response_ids.detach().cpu()
+    gen_cpu = batch.response_mask.detach().cpu().bool()
+    real_cpu = batch.attention_mask.detach().cpu().bool() if batch.attention_mask is not None else gen_cpu
+    for b, (span, text) in enumerate(zip(spans, texts)):
+        if span is None or not isinstance(text, str):
+            continue
+        start, end = max(0, int(span[0])), min(len(text), int(span[1]))
+        if start >= end:
+            continue
+        layout = _row_layout(tokenizer, ids_cpu[b], gen_cpu[b], real_cpu[b], text)
+        if layout is None:
+            continue
+        pos, ids, skip = layout
+        for k in _tokens_overlapping(tokenizer, ids, text, start, end, skip):
+            if gen_cpu[b, pos[k]] and ids[k] not in special:
+                out[b, pos[k]] = True
+    return out.to(batch.response_ids.device)
+
+
+def locate_errors(task: "Task", tokenizer: Any, batch: RolloutBatch, problems: Sequence["Problem"]
+                  ) -> tuple[Tensor, list[tuple[int, int] | None]]:
+    """(mask [B, T] bool, spans): the first wrong step of every row, as ``task.locate_error`` finds it in
+    ``batch.meta["texts"][i]``, and its generated tokens (:func:`error_token_mask`). ``problems`` holds one
+    Problem per ROW (already repeated for the group). A ``locate_error`` that raises counts as None."""
+    texts = batch.meta.get("texts")
+    B = batch.batch_size
+    if texts is None or len(texts) != B:
+        raise ValueError(f"locate_errors needs batch.meta['texts'] with one text per row ({B})")
+    if len(problems) != B:
+        raise ValueError(f"locate_errors needs one problem per row: got {len(problems)} for {B} rows")
+    spans: list[tuple[int, int] | None] = []
+    for problem, text in zip(problems, texts):
+        try:
+            span = task.locate_error(problem, text)
+            spans.append(None if span is None else (int(span[0]), int(span[1])))
+        except Exception:  # a checker must not crash training on odd text
+            spans.append(None)
+    return error_token_mask(tokenizer, batch, spans), spans

@@ -14,6 +14,9 @@ default, "arith_hard" (4 steps, operands ≤ 20) a harder preset.
 
 Train/test split: a problem belongs to "test" iff a hash of its canonical expression falls below
 `test_fraction`, independent of any seed, so the splits are disjoint for every seed.
+
+Error location (:meth:`ArithmeticTask.locate_error`): the completion's lines are checked against the
+chain one step at a time, and the first line that breaks it is the wrong step (rules in the method).
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ _OPS = {
 # Last "Answer:" wins; the number may be negative. Bounded length: int() of a huge digit string
 # raises in CPython (>4300 digits) and no true answer here is that long.
 _ANSWER_RE = re.compile(r"Answer:\s*(-?\d{1,40})(?!\d)")
+_ANSWER_MARKER = "Answer:"
+# One step line "L<op>R=V" (the whole line): integers may be negative, spaces allowed between the parts.
+_STEP_RE = re.compile(r"\s*(-?\d{1,40})\s*([-+*])\s*(-?\d{1,40})\s*=\s*(-?\d{1,40})\s*")
 
 
 def evaluate_chain(operands: list[int], ops: list[str]) -> list[int]:
@@ -164,11 +170,85 @@ class ArithmeticTask(Task):
         except ValueError:
             return str(answer).strip()
 
+    def locate_error(self, problem: Problem, completion: str) -> tuple[int, int] | None:
+        """Span of the first line of `completion` that breaks the chain (see :meth:`Task.locate_error`).
+
+        None when the completion is correct — ``reward == 1.0``, even if a step on the way was wrong
+        (the outcome is what counts as correct) — or when `problem` has no chain (``meta`` without
+        ``operands``/``ops``). Otherwise the span of one line, its newline (and a trailing "\\r")
+        excluded. Blank (whitespace-only) lines are skipped everywhere: they are never a step, nor
+        blamed. Lines are walked in order; step k (0-based) is expected while k < num_steps:
+
+        * a step line is ``L<op>R=V`` (the whole line; integers may be negative, spaces allowed).
+          Step k is wrong when it misreads the chain (op != ops[k], R != operands[k+1], or, for k=0,
+          L != operands[0]), continues from a value the previous line did not state (k>0:
+          L != the previous line's V — earlier lines are all correct here, since the walk stops at the
+          first wrong one), or miscomputes (V != L op R);
+        * where a step is expected, any other line is wrong at that line: garbage, a truncated step,
+          and an "Answer:" line that comes before all steps were written (too few steps);
+        * the completion ends with steps missing and no answer: the last non-blank line (the correct
+          step after which it stopped — the stop itself has no characters to point at);
+        * after a correct chain, the first line that is not an "Answer:" line stating the correct
+          answer: an extra step, garbage, or a wrong/valueless "Answer:" line;
+        * a correct chain followed by nothing (missing answer line, nothing written after the last
+          correct step): None;
+        * a completion with no non-blank line: the whole completion when it is whitespace, None
+          when it is empty.
+        """
+        try:
+            return self._locate_error(problem, completion)
+        except Exception:  # never raise on odd text (or odd meta)
+            return None
+
+    def _locate_error(self, problem: Problem, completion: str) -> tuple[int, int] | None:
+        if not isinstance(completion, str) or "operands" not in problem.meta or "ops" not in problem.meta:
+            return None
+        operands = [int(x) for x in problem.meta["operands"]]
+        ops = [str(o) for o in problem.meta["ops"]]
+        if not ops or len(operands) != len(ops) + 1 or any(o not in _OPS for o in ops):
+            return None
+        if self.reward(problem, completion) == 1.0:
+            return None
+        lines = [(s, e) for s, e in _line_spans(completion) if completion[s:e].strip()]
+        if not lines:
+            return (0, len(completion)) if completion else None
+        want = self.normalize_answer(problem.answer)
+        k, stated = 0, operands[0]  # next expected step; the value it must continue from
+        for s, e in lines:
+            line = completion[s:e]
+            if k < len(ops):
+                m = None if _ANSWER_MARKER in line else _STEP_RE.fullmatch(line)
+                if m is None:
+                    return s, e
+                left, op, right, value = int(m[1]), m[2], int(m[3]), int(m[4])
+                if left != stated or op != ops[k] or right != operands[k + 1] or value != _OPS[op](left, right):
+                    return s, e
+                k, stated = k + 1, value
+                continue
+            got = _ANSWER_RE.findall(line) if _ANSWER_MARKER in line else []
+            if not got or self.normalize_answer(got[-1]) != want:
+                return s, e  # extra step, garbage, or a wrong / valueless answer after a correct chain
+        if k < len(ops):
+            return lines[-1]  # ran out of lines with steps missing (and no answer line)
+        return None  # correct chain, no answer: nothing written after the last correct step
+
     def __repr__(self) -> str:
         return (
             f"ArithmeticTask(name={self.name!r}, num_steps={self.num_steps}, "
             f"max_operand={self.max_operand}, ops={self.ops!r})"
         )
+
+
+def _line_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of every line of `text`, its "\\n" (and a "\\r" before it) excluded."""
+    out, start = [], 0
+    while True:
+        nl = text.find("\n", start)
+        end = len(text) if nl < 0 else nl
+        out.append((start, end - 1 if end > start and text[end - 1] == "\r" else end))
+        if nl < 0:
+            return out
+        start = nl + 1
 
 
 def _expr(operands: list[int], ops: list[str]) -> str:

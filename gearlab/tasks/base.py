@@ -111,6 +111,25 @@ class Task(ABC):
             return 0.0
         return 1.0 if got == self.normalize_answer(problem.answer) else 0.0
 
+    def locate_error(self, problem: Problem, completion: str) -> tuple[int, int] | None:
+        """Where `completion` first went wrong: the character span ``(start, end)`` (end exclusive, in
+        `completion`'s own coordinates) of its FIRST wrong step, or None.
+
+        This is ground truth for credit assignment (which tokens caused the failure), available only
+        where the task can check intermediate steps. Contract for implementations:
+
+        * None when the completion is correct (its outcome is a success) or when the task cannot
+          tell where the error is (this default: no task-specific checker);
+        * otherwise ``0 <= start < end <= len(completion)``: spans are never empty — an error with
+          no characters to point at is reported as None;
+        * never raises, whatever the text (like :meth:`reward`).
+
+        What a "step" is, and the span of a step, are the task's to document. For a multi-turn task
+        `completion` is the episode transcript the multi-turn engine records (``meta["texts"]``) and
+        the span covers policy-written text only.
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 

@@ -68,7 +68,7 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
             raise ConfigError(f"key 'assigner.plugins': cannot import {spec!r}: {e}") from None
     task = task_from_config(cfg)
     try:
-        assigner = credit.build(cfg.assigner.name, dict(cfg.assigner.options))
+        assigner = credit.build(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
     except OptionError as e:
         raise ConfigError(f"key '{e.key}': {e.message} (assigner {cfg.assigner.name!r})") from None
     except (KeyError, ValueError) as e:

@@ -424,5 +424,266 @@ def test_yaml_and_class_cannot_disagree_on_defaults():
     assert conf["name"] == "gear" and conf["options"] == {}
     defaults = {f.name: f.default for f in dataclasses.fields(GEARAssigner.Options)}
     a = credit.build("gear", conf["options"])
-    assert {k: getattr(a, k) for k in defaults} == defaults and len(defaults) == 21
+    assert {k: getattr(a, k) for k in defaults} == defaults and len(defaults) == 24  # 21 + segmentation, control_seed, fixed_len
     assert "gear" in credit.available()
+
+
+# ================================================================================== controls
+# segmentation = random | fixed (docs/credit/controls.md): GEAR's segments (their count and weights, and for
+# `random` their lengths) moved to positions that carry no information. A batch with planted divergence peaks:
+# background d = 0.01 < d_min, so the onsets are exactly the peaks (the q_on-quantile is the background value and
+# the floor removes it); H = 1.0 except 0.1 on the tokens right after a peak, so τ_H = 1.0 (the q_h-quantile) and a
+# GEAR segment is the peak plus its low-entropy tail.
+TC = 32
+CTRL = {"beta": 0.05, "eps_w": 0.9, "normalisation": "none"}  # raw weights, distinct per segment, inside the clip
+ADV_C = torch.tensor([1.0, -1.0, 0.5, 0.0])
+# row 0 (A = +1): generated t0..t29. Peaks t5 = 0.6 (tail t6..t8), t20 = 0.3 (tail t21)
+#   → GEAR segments [5, 8] (4 tokens), [20, 21] (2).
+# row 1 (A = −1): generated t0..t9 and t12..t29, t10..t11 tool text (masked). Peaks t3 = 0.5 (tail t4), t16 = 0.25
+#   (tail t17..t19) → [3, 4] (2), [16, 19] (4). N = 28.
+# row 2 (A = +0.5): generated t0..t23; turn 0 = t0..t9, turn 1 = t10..t23. Peaks t2 = 0.8 (tail t3, t4),
+#   t14 = 0.4 (tail t15) → [2, 4] (3), [14, 15] (2). N = 24.
+# row 3 (A = 0): row 0's signals → no segments.
+PEAKS = {0: {5: 0.6, 20: 0.3}, 1: {3: 0.5, 16: 0.25}, 2: {2: 0.8, 14: 0.4}, 3: {5: 0.6, 20: 0.3}}
+TAILS = {0: [6, 7, 8, 21], 1: [4, 17, 18, 19], 2: [3, 4, 15], 3: [6, 7, 8, 21]}
+GEAR_SEGS = {0: [(5, 8), (20, 21)], 1: [(3, 4), (16, 19)], 2: [(2, 4), (14, 15)], 3: []}
+
+
+def make_ctrl_batch() -> tuple[RolloutBatch, dict[Signal, torch.Tensor]]:
+    resp = torch.zeros(4, TC, dtype=torch.bool)
+    resp[0, :30] = resp[3, :30] = True
+    resp[1, :10] = resp[1, 12:30] = True
+    resp[2, :24] = True
+    attn = resp.clone()
+    attn[1, 10:12] = True  # tool text: a real response token, not generated
+    turn_ids = torch.zeros(4, TC, dtype=torch.long)
+    turn_ids[2, 10:] = 1
+    d = torch.full((4, TC), 0.01)
+    H = torch.ones(4, TC)
+    for r in range(4):
+        for t, v in PEAKS[r].items():
+            d[r, t] = v
+        H[r, TAILS[r]] = 0.1
+    k = torch.arange(4)[:, None]
+    batch = RolloutBatch(prompt_ids=10 * k + torch.arange(3) + 3, prompt_mask=torch.ones(4, 3, dtype=torch.long),
+                         response_ids=(torch.arange(TC) * (k + 2) + 5 * k) % 97 + 3, response_mask=resp,
+                         attention_mask=attn, group_ids=torch.tensor([0, 0, 1, 1]),
+                         rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), turn_ids=turn_ids)
+    return batch, {Signal.TEACHER_KL: d * resp, Signal.ENTROPY: H * resp}
+
+
+def ctrl_weights(row: int, segments: list[tuple[int, int, float]], batch: RolloutBatch, sig) -> list[float]:
+    """Hand weights of one row under CTRL: g_t = d_t / mean(d) per token, g = G inside each (first, last, G)
+    segment, w = clip(exp(−sign(A)·0.05·(g − 1)), 0.1, 1.9), 0 on masked tokens (no normalisation)."""
+    m = batch.response_mask[row].tolist()
+    d = sig[Signal.TEACHER_KL][row].double().tolist()
+    mean = sum(x for x, keep in zip(d, m) if keep) / sum(m)
+    g = [x / mean for x in d]
+    for s, e, G in segments:
+        g[s:e + 1] = [G] * (e - s + 1)
+    sgn = math.copysign(1.0, float(ADV_C[row]))
+    return [min(max(math.exp(-sgn * 0.05 * (x - 1.0)), 0.1), 1.9) if keep else 0.0 for x, keep in zip(g, m)]
+
+
+def onset_g(row: int, t: int, batch: RolloutBatch, sig) -> float:
+    m = batch.response_mask[row]
+    d = sig[Signal.TEACHER_KL][row].double()
+    return float(d[t] / d[m].mean())
+
+
+def seg_list(row_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(first, last) of every segment of a last_segments row, by id."""
+    out = []
+    for k in range(int(row_ids.max()) + 1 if (row_ids >= 0).any() else 0):
+        idx = (row_ids == k).nonzero().flatten()
+        out.append((int(idx[0]), int(idx[-1])))
+    return out
+
+
+def run_ctrl(batch=None, sig=None, adv=ADV_C, **opts):
+    if batch is None:
+        batch, sig = make_ctrl_batch()
+    a = credit.build("gear", {**CTRL, **opts})
+    return a, a.assign(batch, adv, sig), batch, sig
+
+
+def test_controls_default_is_adaptive_and_unchanged():
+    assert credit.build("gear").segmentation == "adaptive" and GEARAssigner.Options().segmentation == "adaptive"
+    a0, out0, _ = run()
+    a1, out1, _ = run(segmentation="adaptive")
+    assert torch.equal(out0.token_advantages, out1.token_advantages) and torch.equal(a0.last_segments, a1.last_segments)
+    # the numbers pinned by test_default_reading_a_hand_values
+    assert a1.last_segments.tolist()[:2] == [segs((2, 4), (6, 6)), segs((2, 4), (6, 6))]
+    assert_close_to(out1.token_advantages[0], _pad(normed(SEQ0_A)))
+    assert_close_to(out1.token_advantages[2], _pad([0.5 * x for x in [9 / 7, 3 / 7, 3 / 7, 9 / 7, 9 / 7, 9 / 7]]))
+    assert_close_to(out1.metrics["segments_per_seq"], 6 / 4)
+
+
+def test_control_batch_gear_segments():
+    """The planted peaks give the segments the comments say (what the controls start from)."""
+    a, _, batch, sig = run_ctrl()
+    assert [seg_list(a.last_segments[r]) for r in range(4)] == [GEAR_SEGS[r] for r in range(4)]
+    for r in range(3):
+        want = ctrl_weights(r, [(s, e, onset_g(r, s, batch, sig)) for s, e in GEAR_SEGS[r]], batch, sig)
+        assert_close_to(a.last_weights[r], want)
+
+
+def test_fixed_puts_gears_segments_at_regular_onsets():
+    a, out, batch, sig = run_ctrl(segmentation="fixed")
+    # k = 2 per row, onset j at generated index floor(j·N/k), length = the row's mean GEAR length, rounded half up:
+    # row 0: N = 30 → t0, t15; mean (4 + 2)/2 = 3. row 1: N = 28 → index 14 = t16 (t10, t11 are not generated);
+    # mean 3. row 2: N = 24 → t0, t12; mean 2.5 → 3.
+    want = {0: [(0, 2), (15, 17)], 1: [(0, 2), (16, 18)], 2: [(0, 2), (12, 14)], 3: []}
+    assert [seg_list(a.last_segments[r]) for r in range(4)] == [want[r] for r in range(4)]
+    assert a.last_onsets.nonzero().tolist() == [[0, 0], [0, 15], [1, 0], [1, 16], [2, 0], [2, 12]]
+    for r in range(3):  # GEAR's weights, in GEAR's order
+        gear_g = [onset_g(r, s, batch, sig) for s, _ in GEAR_SEGS[r]]
+        want_w = ctrl_weights(r, [(s, e, G) for (s, e), G in zip(want[r], gear_g)], batch, sig)
+        assert_close_to(a.last_weights[r], want_w)
+        assert_close_to(out.token_advantages[r], [x * float(ADV_C[r]) for x in want_w])
+    assert out.token_advantages[3].abs().sum() == 0
+    assert_close_to(out.metrics["segments_per_seq"], 2.0)
+    assert_close_to(out.metrics["segment_len_mean"], 3.0)
+    assert_close_to(out.metrics["frac_tokens_in_segments"], 18 / 82)
+
+
+def test_fixed_len_truncates_at_masked_tokens_turns_and_the_next_onset():
+    a, _, _, _ = run_ctrl(segmentation="fixed", fixed_len=20)
+    # row 0: [0, 19] stops before the next onset t15; row 1: stops before the tool text t10;
+    # row 2: stops at the turn change t9 → t10; the second segments run to the last generated token
+    assert [seg_list(a.last_segments[r]) for r in range(3)] == [[(0, 14), (15, 29)], [(0, 9), (16, 29)],
+                                                               [(0, 9), (12, 23)]]
+    # a fixed length makes GEAR's own lengths (the entropy) irrelevant: the signal is no longer needed
+    assert a.needs == {Signal.TEACHER_KL}
+    assert credit.build("gear", {"segmentation": "fixed"}).needs == {Signal.TEACHER_KL, Signal.ENTROPY}
+    a2, _, _, _ = run_ctrl(segmentation="fixed", fixed_len=1)
+    assert [seg_list(a2.last_segments[r]) for r in range(3)] == [[(0, 0), (15, 15)], [(0, 0), (16, 16)],
+                                                                [(0, 0), (12, 12)]]
+
+
+def _pairs(a, r, batch, sig):
+    """(length, weight) of every segment of row r, and the sorted in-segment weights."""
+    seg = a.last_segments[r]
+    w = a.last_weights[r].double()
+    pairs = sorted((e - s + 1, round(float(w[s]), 9)) for s, e in seg_list(seg))
+    return pairs, sorted(w[seg >= 0].tolist())
+
+
+def test_random_keeps_count_lengths_and_weights_moves_the_onsets():
+    g, out_g, batch, sig = run_ctrl()
+    a, out, _, _ = run_ctrl(segmentation="random")
+    for r in range(3):
+        gear_segs = seg_list(g.last_segments[r])
+        ctrl_segs = seg_list(a.last_segments[r])
+        assert len(ctrl_segs) == len(gear_segs) == 2
+        assert sorted(e - s + 1 for s, e in ctrl_segs) == sorted(e - s + 1 for s, e in gear_segs)  # whole, no truncation
+        assert ctrl_segs != gear_segs  # moved
+        # each segment carries its own GEAR weight (length and weight move together); same in-segment multiset
+        assert _pairs(a, r, batch, sig) == _pairs(g, r, batch, sig)
+        # the placed segments follow the rules: generated tokens, one turn, no overlap (ids are disjoint)
+        seg = a.last_segments[r]
+        assert batch.response_mask[r][seg >= 0].all()
+        for s, e in ctrl_segs:
+            assert batch.turn_ids[r, s:e + 1].unique().numel() == 1 and batch.response_mask[r, s:e + 1].all()
+        assert a.last_onsets[r].nonzero().flatten().tolist() == [s for s, _ in ctrl_segs]
+        # tokens outside the control's segments keep their per-token GEAR weight
+        per_tok = ctrl_weights(r, [], batch, sig)
+        outside = (seg < 0) & batch.response_mask[r]
+        assert_close_to(a.last_weights[r][outside], torch.tensor(per_tok)[outside])
+    assert (a.last_segments[3] == -1).all() and out.token_advantages[3].abs().sum() == 0
+    assert_close_to(out.metrics["segments_per_seq"], 2.0)
+    assert_close_to(out.metrics["segment_len_mean"], 17 / 6)
+
+
+def test_random_is_seeded_per_row_not_per_batch():
+    batch, sig = make_ctrl_batch()
+    a, out, _, _ = run_ctrl(batch, sig, segmentation="random")
+    idx = torch.tensor([2, 0, 3, 1])
+    b, o, _, _ = run_ctrl(batch.select(idx), {k: v[idx] for k, v in sig.items()}, ADV_C[idx], segmentation="random")
+    assert torch.equal(b.last_segments, a.last_segments[idx])
+    assert torch.equal(o.token_advantages, out.token_advantages[idx])
+    one = torch.tensor([1])
+    c, _, _, _ = run_ctrl(batch.select(one), {k: v[one] for k, v in sig.items()}, ADV_C[one], segmentation="random")
+    assert torch.equal(c.last_segments[0], a.last_segments[1])
+    # padding does not enter the seed: the same rows padded to a longer T are placed the same way
+    wide = batch.with_(response_ids=torch.cat([batch.response_ids, torch.full((4, 5), 7)], 1),
+                       response_mask=torch.cat([batch.response_mask, torch.zeros(4, 5, dtype=torch.bool)], 1),
+                       attention_mask=torch.cat([batch.attention_mask, torch.zeros(4, 5, dtype=torch.bool)], 1),
+                       turn_ids=torch.cat([batch.turn_ids, batch.turn_ids[:, -1:].expand(4, 5)], 1))
+    w, _, _, _ = run_ctrl(wide, {k: torch.cat([v, torch.zeros(4, 5)], 1) for k, v in sig.items()}, segmentation="random")
+    assert torch.equal(w.last_segments[:, :TC], a.last_segments)
+    # another control_seed places them elsewhere
+    s, _, _, _ = run_ctrl(batch, sig, segmentation="random", control_seed=1)
+    assert not torch.equal(s.last_segments, a.last_segments)
+
+
+def test_random_keeps_gears_promises():
+    batch, sig = make_ctrl_batch()
+    a = credit.build("gear", {"segmentation": "random"})
+    assert a.preserves_sign and a.preserves_mass
+    out = a.assign(batch, ADV_C, sig)
+    adv = out.token_advantages
+    N = batch.response_mask.sum(1).double()
+    assert_close_to(adv.double().sum(1), N * ADV_C.double(), atol=1e-5)
+    gen = batch.response_mask & (ADV_C != 0)[:, None]
+    assert (torch.sign(adv)[gen] == torch.sign(ADV_C)[:, None].expand_as(adv)[gen]).all()
+    assert (adv[~batch.response_mask] == 0).all()
+
+
+def test_place_random_and_place_fixed():
+    from assigners.gear import place_fixed, place_random
+
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        # room for both: always whole, inside the blocks, disjoint, sorted by position, weights attached
+        placed = place_random([(0, 9), (12, 29)], [(2, "a"), (4, "b")], gen)
+        assert sorted((e - s + 1, w) for s, e, w in placed) == [(2, "a"), (4, "b")]
+        assert [s for s, _, _ in placed] == sorted(s for s, _, _ in placed) and placed[0][1] < placed[1][0]
+        assert all((0 <= s and e <= 9) or (12 <= s and e <= 29) for s, e, _ in placed)
+        # a block of 5 and two segments of 3: the first (longest, then in order) is whole, the second cannot be
+        placed = place_random([(0, 4)], [(3, "a"), (3, "b")], gen)
+        lengths = {w: e - s + 1 for s, e, w in placed}
+        assert lengths["a"] == 3 and 1 <= lengths["b"] <= 2 and placed[0][1] < placed[1][0]
+    # the uniform draw: a 4-token segment in a block of 6 has 3 onsets; all of them come up, nothing else
+    onsets = {place_random([(10, 15)], [(4, 0)], torch.Generator().manual_seed(s))[0][0] for s in range(60)}
+    assert onsets == {10, 11, 12}
+    assert place_fixed(list(range(10)), [(0, 9)], 2, ["x", "y", "z"]) == [(0, 1, "x"), (3, 4, "y"), (6, 7, "z")]
+    # N = 6 generated positions, k = 2: onsets at index 0 and 3 (position 5); each cut at its block's end
+    assert place_fixed([0, 1, 2, 5, 6, 7], [(0, 2), (5, 7)], 5, ["x", "y"]) == [(0, 2, "x"), (5, 7, "y")]
+
+
+@pytest.mark.parametrize("opts", [{"segmentation": "random"}, {"segmentation": "fixed"},
+                                  {"segmentation": "fixed", "fixed_len": 3}, {"segmentation": "random", "control_seed": 7},
+                                  {"segmentation": "random", "entropy_rule": "high_continues", "normalisation": "sequence"}])
+def test_controls_pass_the_contract_kit(opts):
+    from gearlab.credit.contract import check_assigner
+
+    checks = check_assigner("gear", opts)
+    assert {c.name for c in checks} >= {"sign preserved", "mass preserved (Σ_t A_t = N·A)", "declared signals are used",
+                                        "segments stay within a turn and on generated tokens", "deterministic"}
+    assert all(c.ok for c in checks), [(c.name, c.detail) for c in checks if not c.ok]
+
+
+def test_control_variants_resolve_and_pass_check_assigner():
+    import subprocess
+    import sys
+
+    from gearlab.credit.methods import method_spec
+
+    root = Path(__file__).parents[2]
+    for name, opts in [("gear_random", {"segmentation": "random"}), ("gear_fixed", {"segmentation": "fixed"})]:
+        conf = OmegaConf.to_container(OmegaConf.load(root / "conf" / "assigner" / f"{name}.yaml"))
+        assert conf == {"name": name, "base": "gear", "options": opts}
+        spec = method_spec(name)
+        assert (spec.base, spec.options) == ("gear", opts)
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "check-assigner", "gear_random"], capture_output=True,
+                         text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAIL" not in out.stdout and "gear_random: 9/9 checks passed" in out.stdout
+
+
+@pytest.mark.parametrize("opts, match", [({"segmentation": "shuffled"}, "segmentation"), ({"fixed_len": -1}, "fixed_len"),
+                                         ({"control_seed": 1.5}, "control_seed")])
+def test_control_option_validation(opts, match):
+    with pytest.raises(ValueError, match=match):
+        credit.build("gear", opts)

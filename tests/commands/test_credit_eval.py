@@ -1,0 +1,113 @@
+"""``gearlab credit-eval`` end to end on a rollout file with planted errors (known positions, known GRPO scores)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gearlab.commands.replay import save_rollouts
+from gearlab.core.batch import RolloutBatch
+from gearlab.rollout.hf import HFRolloutEngine
+from gearlab.tasks.registry import get_task
+
+# one problem "3 + 4 * 2" (solution 3+4=7, 7*2=14), four responses: two correct, two with planted errors
+COMPLETIONS = [
+    "3+4=7\n7*2=14\nAnswer: 14",  # correct
+    "3+4=7\n7*2=15\nAnswer: 15",  # miscomputed second step: prefix = the first line
+    "3+4=7\n7*2=14\nAnswer: 14",  # correct
+    "3+4=7\n7*3=21\nAnswer: 21",  # misread operand in the second step
+]
+
+
+def planted_rollouts(tokenizer, path):
+    task = get_task("arith")
+    problem = task.make_problem([3, 4, 2], ["+", "*"])
+    engine = HFRolloutEngine(tokenizer, task)
+    pids, pmask = engine.encode_prompts([problem])
+    G = len(COMPLETIONS)
+    eos = tokenizer.eos_token_id
+    seqs = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for c in COMPLETIONS]
+    T = max(map(len, seqs)) + 2  # two padding positions at the end
+    resp = torch.full((G, T), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(G, T, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        resp[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = True
+    texts = tokenizer.batch_decode(resp.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
+    assert texts == COMPLETIONS
+    rewards = torch.tensor([task.reward(problem, t) for t in texts])
+    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    rb = RolloutBatch(prompt_ids=pids.repeat(G, 1), prompt_mask=pmask.repeat(G, 1), response_ids=resp, response_mask=mask,
+                      group_ids=torch.zeros(G, dtype=torch.long), rewards=rewards,
+                      meta={"answers": [problem.answer] * G, "texts": texts})
+    save_rollouts(path, rb, [problem], {"model": "planted", "task": "arith", "group_size": G, "seed": 0, "temperature": 1.0})
+    return rb
+
+
+@pytest.mark.slow
+def test_credit_eval_scores_planted_errors(tmp_path, tokenizer, tiny_model_dir):
+    from gearlab.commands.credit_eval import credit_eval
+    from gearlab.config import load_config
+
+    planted_rollouts(tokenizer, tmp_path / "r.pt")
+    cfg = load_config([f"model.name_or_path={tiny_model_dir}", f"credit_eval.rollouts={tmp_path / 'r.pt'}",
+                       "credit_eval.assigners=[grpo,gear,entropy_adv]", f"credit_eval.out_dir={tmp_path / 'out'}",
+                       f"trainer.output_dir={tmp_path}"])
+    rec = credit_eval(cfg)
+    assert rec["n_trajectories"] == 4 and rec["n_failed"] == 2 and rec["n_failed_located"] == 2
+    assert rec["n_located_informative"] == 2
+    # controls join gear; every method scored on the same two failed responses
+    assert list(rec["assigners"]) == ["grpo", "gear", "entropy_adv", "gear_random", "gear_fixed", "shuffle"]
+    g = rec["assigners"]["grpo"]
+    assert g["n"] == 2 and g["auroc"] == 0.5 and g["blame_ratio"] == pytest.approx(1.0)
+    # GRPO's prefix share is the prefix's share of generated tokens (the first line and its newline / all + stop)
+    n_prefix = len(tokenizer("3+4=7\n", add_special_tokens=False)["input_ids"])
+    n_all = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) + 1 for c in (COMPLETIONS[1], COMPLETIONS[3])]
+    assert g["prefix_share"] == pytest.approx(sum(n_prefix / n for n in n_all) / 2, abs=0.02)
+    assert "onset_precision" in rec["assigners"]["gear"] and "onset_precision" not in g
+    assert set(rec["signals"]) >= {"kl", "entropy"}
+    for s in rec["signals"].values():
+        assert 0.0 <= s["auroc"] <= 1.0 and s["n"] == 2
+    # files and MLflow
+    data = json.loads((tmp_path / "out" / "credit_eval.json").read_text())
+    assert data["assigners"]["grpo"]["auroc"] == 0.5
+    assert "| grpo | 0.500 | 1.000 |" in (tmp_path / "out" / "credit_eval.md").read_text()
+    assert (tmp_path / "out" / "credit_eval.png").stat().st_size > 1000
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(rec["mlflow_run"])
+    assert run.data.metrics["credit_eval/grpo/auroc"] == 0.5
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "credit_eval")} >= {
+        "credit_eval/credit_eval.json", "credit_eval/credit_eval.md", "credit_eval/credit_eval.png"}
+
+
+@pytest.mark.slow
+def test_credit_eval_unknown_method_is_one_line(tmp_path, tiny_model_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "credit-eval", f"model.name_or_path={tiny_model_dir}",
+                          "credit_eval.assigners=[grpo,nope]", f"trainer.output_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("gearlab: error: key 'credit_eval.assigners': unknown ['nope']")
+
+
+def test_score_batch_reads_onsets_from_segments():
+    from gearlab.commands.credit_eval import score_batch
+
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    err = torch.zeros(1, 6, dtype=torch.bool)
+    err[0, 3:5] = True
+    seg = torch.tensor([[-1, 0, 0, -1, 1, 1]])  # onsets at 1 (prefix) and 4 (inside the wrong step)
+    res = {"seq_adv": torch.tensor([-1.0]), "credit": {"gear": -torch.ones(1, 6)}, "segments": {"gear": seg},
+           "signals": {"teacher_logprobs": torch.tensor([[-0.1, -0.1, -0.1, -3.0, -0.1, -0.1]])}}
+    rb = RolloutBatch.from_masks(mask)
+    out = score_batch(rb, ["gear"], res, err)
+    assert out["assigners"]["gear"]["onset_precision"] == 0.5 and out["assigners"]["gear"]["onset_recall"] == 1.0
+    # the teacher's surprise (−log π_T) spikes on the wrong step: (1 + 0.5) / 2 over prefix [0, 1, 2]
+    assert out["signals"]["teacher_surprise"]["auroc"] == pytest.approx(0.75)
+    assert not math.isnan(out["assigners"]["gear"]["auroc"])
