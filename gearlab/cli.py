@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the report reads many small artifacts
     from gearlab.config import ConfigError, load_config
 
     if cmd == "new-assigner":
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             if res.get("interrupted"):
                 return 130
             print(compare_summary(cfg))
+            print("\n" + res["table"])  # last: the paired table, the credit-eval table, the learning and power lines
             return 1 if res["failed"] else 0
         if cmd == "report":  # the metric the comparison named before it ran, unless one is asked for here
             return _report(cfg, explicit_metric=any(o.startswith("compare.metric=") for o in overrides))

@@ -191,6 +191,12 @@ class EvalConfig:
     num_problems: int = 200  # 0 = no held-out evaluation during training
     k: int = 4
     temperature: float = 1.0
+    # the held-out problems and the sampling seed of the evaluation: -1 = trainer.seed (each seed its own problems);
+    # a fixed value evaluates every run of a comparison on the same problems with the same random numbers
+    seed: int = -1
+    # reuse the evaluation before the first iteration when the same starting weights were already evaluated with
+    # the same settings (single process; cached under <output_dir>/.eval_cache/)
+    cache_start: bool = True
 
 
 @dataclass

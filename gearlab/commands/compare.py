@@ -182,10 +182,9 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
     rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=primary, baseline=cfg.compare.baseline,
                        target=cfg.compare.target, effect=cfg.compare.effect, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
     client.set_terminated(pid, "FINISHED" if not failed else "FAILED")
-    print(rep.table)
     print(f"[compare] {len(children) - len(failed)}/{len(children)} runs finished in {(time.time() - t_start) / 60:.1f} min")
     print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")
-    return {"failed": failed, "report": str(rep.markdown_path), "plot": str(rep.plot_path)}
+    return {"failed": failed, "report": str(rep.markdown_path), "plot": str(rep.plot_path), "table": rep.table}
 
 
 def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, float]:

@@ -208,8 +208,9 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pct = _pct(metric)
+    # order: the paired table, then (multi-turn) tool use, the credit-eval table, warnings, and last the
+    # learning and power lines — what the console shows at the end of a comparison
     table = _table(rows, metric, baseline, target, pct=pct)
-    table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct)])
     if tool_final:
         for row in rows:
             row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tool_final.get(row["assigner"], {}).items()}
@@ -228,6 +229,7 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
                         "them): their versions are unknown")
     if warnings:  # the table's footer: printed with it and in report.md
         table += "\n\n" + "\n".join(warnings)
+    table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct)])
     plot = out / "curves.png"
     _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric, baseline=baseline)
     md = out / "report.md"

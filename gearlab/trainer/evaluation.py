@@ -2,7 +2,11 @@
 task's test split, split across ranks in a multi-process run."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,11 +17,54 @@ from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.factory import engine_from_config
 
 
+def eval_seed(cfg: Config) -> int:
+    """The evaluation's problem / sampling seed: ``eval.seed``, or ``trainer.seed`` when it is -1."""
+    return cfg.trainer.seed if cfg.eval.seed < 0 else cfg.eval.seed
+
+
+def start_cache_key(cfg: Config, model_dir: str | Path) -> str | None:
+    """A key for the evaluation of the weights in ``model_dir`` under this config's task, rollout and eval settings
+    (file names, sizes and modification times of the folder's weights stand for the weights); None when the model
+    is not a local folder."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        return None
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in d.iterdir()
+                   if p.suffix in (".safetensors", ".bin", ".json"))
+    from omegaconf import OmegaConf
+
+    parts = {"files": files, "task": OmegaConf.to_container(cfg.task), "rollout": OmegaConf.to_container(cfg.rollout),
+             "eval": {k: v for k, v in OmegaConf.to_container(cfg.eval).items() if k not in ("checkpoint", "cache_start")},
+             "seed": eval_seed(cfg), "dtype": cfg.model.dtype, "threads": torch.get_num_threads(),
+             "precision": cfg.trainer.precision, "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cached_start_evaluation(model, tok, task, cfg: Config, model_dir: str | Path) -> dict[str, Any]:
+    """``evaluate_model`` of the starting weights, read from ``<output_dir>/.eval_cache/<key>.json`` when the same
+    weights were evaluated with the same settings before (every child of a comparison starts from one checkpoint;
+    with a fixed ``eval.seed`` they share this evaluation exactly), else computed and stored."""
+    key = start_cache_key(cfg, model_dir) if cfg.eval.cache_start else None
+    path = Path(cfg.trainer.output_dir) / ".eval_cache" / f"{key}.json"
+    if key is not None and path.is_file():
+        try:
+            return {**json.loads(path.read_text()), "cached": True}
+        except (OSError, ValueError):
+            pass  # a broken cache entry is recomputed
+    res = evaluate_model(model, tok, task, cfg)
+    if key is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(res))
+        os.replace(tmp, path)  # atomic: two children computing it at once write the same values
+    return res
+
+
 @torch.no_grad()
 def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     """Greedy accuracy, avg@k and unbiased pass@k on ``eval.num_problems`` test problems.
 
-    The problems and sampling seeds depend only on ``trainer.seed`` (and the number of processes), so
+    The problems and sampling seeds depend only on ``eval.seed`` (default: ``trainer.seed``) and the number of processes, so
     every run of a paired comparison is evaluated on the same problems with the same random numbers.
     In a multi-process run each rank evaluates every world-th problem and the means are aggregated across
     ranks with torchmetrics (weighted by counts: the same numbers as one process on all problems, up to
@@ -30,7 +77,8 @@ def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     world, rank = 1, 0
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    problems = task.problems("test", cfg.eval.num_problems, cfg.trainer.seed)
+    seed = eval_seed(cfg)
+    problems = task.problems("test", cfg.eval.num_problems, seed)
     mine = problems[rank::world]
     # every rank decodes the same number of problems (their forward passes must stay in step): ranks
     # with one fewer repeat a problem at weight 0
@@ -43,9 +91,9 @@ def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     t0 = time.time()
     k = cfg.eval.k
     with gathered_for_generation(model):
-        greedy = engine.generate(model, mine, group_size=1, seed=cfg.trainer.seed,
+        greedy = engine.generate(model, mine, group_size=1, seed=seed,
                                  sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
-        sampled = engine.generate(model, mine, group_size=k, seed=cfg.trainer.seed + 1 + 7919 * rank,
+        sampled = engine.generate(model, mine, group_size=k, seed=seed + 1 + 7919 * rank,
                                   sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                                           temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
                                                           top_k=cfg.rollout.top_k))

@@ -195,9 +195,12 @@ class PeriodicEval(Callback):
         self.cfg, self.task = cfg, task
 
     def _run(self, trainer: L.Trainer, module: GRPOModule) -> None:
-        from gearlab.trainer.evaluation import evaluate_model
+        from gearlab.trainer.evaluation import cached_start_evaluation, evaluate_model
 
-        res = evaluate_model(module.policy, module.tokenizer, self.task, self.cfg)
+        if module.iterations_done == 0 and trainer.world_size == 1:
+            res = cached_start_evaluation(module.policy, module.tokenizer, self.task, self.cfg, self.cfg.model.name_or_path)
+        else:
+            res = evaluate_model(module.policy, module.tokenizer, self.task, self.cfg)
         k = self.cfg.eval.k
         metrics = {"eval/greedy_accuracy": res["greedy_accuracy"], f"eval/avg@{k}": res[f"avg@{k}"],
                    f"eval/pass@{k}": res[f"pass@{k}"]}

@@ -58,7 +58,7 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
     assert exp.artifact_location == (tmp_path.resolve() / "mlartifacts" / "compare_pair").as_uri()
     assert all(r.data.tags["versions.torch"] == torch.__version__ for r in [parent, *kids.values()])
     assert {"grpo/final_mean", "entropy_adv/paired_diff"} <= set(parent.data.metrics)
-    table = capsys.readouterr().out.split("| method")[1].split("[compare]")[0]
+    table = out["table"].split("| method")[1].split("\n\n")[0]
     # the same table from MLflow alone, in a new process
     rep = subprocess.run([sys.executable, "-m", "gearlab.cli", "report", "pair", f"trainer.output_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
@@ -281,5 +281,28 @@ def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, caps
                    for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags}
     assert len(hist["par"]) == 4 and hist["par"] == hist["seq"]
     log = (tmp_path / "par" / "pool" / "gear-s1" / "train.log").read_text()
-    assert "done" not in capsys.readouterr().out.split("| method")[0].split("to run")[1]  # children's output stays off the console
+    assert "done" not in capsys.readouterr().out.split("to run")[1]  # children's output stays off the console
     assert log.strip()  # ... and lands in the child's log
+
+
+def test_grid_expands_into_methods_with_their_own_runs(tmp_path):
+    from gearlab.commands.compare import methods_of, plan, primary_metric
+    from gearlab.config import ConfigError, load_config
+
+    cfg = load_config(["compare.assigners=[grpo,gear,gear_random]", "compare.grid.gear.q_on=[0.8,0.95]",
+                       "compare.grid.gear.beta=[2]"])
+    names = methods_of(cfg)
+    assert names == ["grpo", "gear:q_on=0.8,beta=2", "gear:q_on=0.95,beta=2", "gear_random"]
+    children = plan(cfg, [], "m", "p", names)
+    assert [c.label for c in children[:4]] == ["grpo-s0", "gear:q_on=0.8,beta=2-s0", "gear:q_on=0.95,beta=2-s0", "gear_random-s0"]
+    child = load_config([o for o in children[2].overrides if not o.startswith("model.")])
+    # the child's run is its own method (tag `assigner` = the label) built from gear with the grid's options
+    assert (child.assigner.name, child.assigner.base) == ("gear:q_on=0.95,beta=2", "gear")
+    assert child.assigner.options.q_on == 0.95 and child.assigner.options.beta == 2
+    rnd = load_config([o for o in children[3].overrides if not o.startswith("model.")])
+    assert (rnd.assigner.name, rnd.assigner.base, rnd.assigner.options.segmentation) == ("gear_random", "gear", "random")
+    assert primary_metric(cfg) == "eval/avg@4" and primary_metric(load_config(["eval.k=8"])) == "eval/avg@8"
+    with pytest.raises(ConfigError, match="compare.assigners"):
+        methods_of(load_config(["compare.assigners=[grpo,nope]"]))
+    with pytest.raises(ConfigError, match="compare.grid.gear"):
+        methods_of(load_config(["compare.assigners=[grpo]", "compare.grid.gear=3"]))
