@@ -65,20 +65,18 @@ Controls (docs/credit/controls.md), ``segmentation`` ≠ "adaptive" — not part
 """
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
 from gearlab.credit.options import option
+from gearlab.credit.seeding import row_seeds
 
 DIVERGENCES = ("full_kl", "sampled")
 ONSET_RULES = ("quantile", "zscore")
@@ -373,23 +371,6 @@ class GEARAssigner(CreditAssigner):
 
 
 # -- controls: placement of GEAR's segments (docs/credit/controls.md) ------------------------------------
-def row_seeds(batch: RolloutBatch, control_seed: int) -> list[int]:
-    """One 63-bit seed per row: BLAKE2b (8 bytes, person "gearlab-control") of ``control_seed``, then the row's real
-    prompt ids and its real response ids (prompt_mask / attention_mask; each list length-prefixed), all as
-    little-endian int64. Independent of the row's position, its padding and the other rows."""
-    prompt, pmask = batch.prompt_ids.cpu().numpy(), batch.prompt_mask.cpu().numpy().astype(bool)
-    resp, rmask = batch.response_ids.cpu().numpy(), batch.attention_mask.cpu().numpy().astype(bool)
-    out = []
-    for i in range(resp.shape[0]):
-        h = hashlib.blake2b(digest_size=8, person=b"gearlab-control")
-        h.update(struct.pack("<q", int(control_seed)))
-        for ids in (prompt[i][pmask[i]], resp[i][rmask[i]]):
-            h.update(struct.pack("<q", ids.size))
-            h.update(ids.astype("<i8").tobytes())
-        out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
-    return out
-
-
 def place_random(runs: list[tuple[int, int]], segments: list[tuple[int, Any]], gen: torch.Generator,
                  tries: int = 32) -> list[tuple[int, int, Any]]:
     """Put each (length, weight) segment at a random onset: ``runs`` are the row's blocks of generated tokens

@@ -10,7 +10,7 @@ What it removes: every link between a token and its credit. A method whose credi
 (``grpo``) is unchanged.
 
 Seeding [PROPOSED]: one ``torch.Generator`` per row, seeded by blake2b(control_seed, the row's real prompt ids,
-its real response ids) — the scheme of GEAR's ``segmentation=random``. The same response to the same prompt is
+its real response ids) — ``gearlab.credit.seeding.row_seeds``, shared with GEAR's ``segmentation=random``. The same response to the same prompt is
 permuted the same way wherever it sits in a batch, whatever the other rows are, and on any device.
 
 Promises, hooks and teacher settings are the inner method's: ``needs``, ``preserves_sign``, ``preserves_mass``,
@@ -21,13 +21,10 @@ after a shuffle, segments mean nothing.
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,6 +32,7 @@ from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, build, register
 from gearlab.credit.methods import method_spec, parse_label
 from gearlab.credit.options import OptionError, option
+from gearlab.credit.seeding import row_seeds  # noqa: F401 (re-exported for tests and users)
 
 
 @dataclass
@@ -52,24 +50,6 @@ def _plain(x: Any) -> Any:
     if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
         return [_plain(v) for v in x]
     return x
-
-
-# the same function as assigners/gear.py's (tests/assigners/test_shuffle.py checks that they agree)
-def row_seeds(batch: RolloutBatch, control_seed: int) -> list[int]:
-    """One 63-bit seed per row: BLAKE2b (8 bytes, person "gearlab-control") of ``control_seed``, then the row's real
-    prompt ids and its real response ids (prompt_mask / attention_mask; each list length-prefixed), all as
-    little-endian int64. Independent of the row's position, its padding and the other rows."""
-    prompt, pmask = batch.prompt_ids.cpu().numpy(), batch.prompt_mask.cpu().numpy().astype(bool)
-    resp, rmask = batch.response_ids.cpu().numpy(), batch.attention_mask.cpu().numpy().astype(bool)
-    out = []
-    for i in range(resp.shape[0]):
-        h = hashlib.blake2b(digest_size=8, person=b"gearlab-control")
-        h.update(struct.pack("<q", int(control_seed)))
-        for ids in (prompt[i][pmask[i]], resp[i][rmask[i]]):
-            h.update(struct.pack("<q", ids.size))
-            h.update(ids.astype("<i8").tobytes())
-        out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
-    return out
 
 
 @register("shuffle")

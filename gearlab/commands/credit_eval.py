@@ -190,6 +190,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.35 * len(names) + 1.8))
     a1.barh(range(len(names)), [0 if math.isnan(v) else v - 0.5 for v in au], left=0.5,
             color=["C0"] * len(record["assigners"]) + ["C2"] * len(record["signals"]))
+    for i, v in enumerate(au):
+        a1.text(0.98, i, _num(v), va="center", ha="right", fontsize=7)
     a1.axvline(0.5, color="k", lw=0.8)
     a1.set_yticks(range(len(names)), names, fontsize=8)
     a1.set_xlim(0, 1)
@@ -197,6 +199,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
     a1.set_title("AUROC: blame on the first wrong step vs the correct prefix (0.5 = uniform)", fontsize=8)
     m = list(record["assigners"])
     a2.barh(range(len(m)), [0 if math.isnan(v) else v - 1 for v in br], left=1, color="C1")
+    for i, v in enumerate(br):
+        a2.text(1.0, i, " " + _num(v), va="center", ha="left", fontsize=7)
     a2.axvline(1, color="k", lw=0.8)
     a2.set_yticks(range(len(m)), m, fontsize=8)
     a2.invert_yaxis()

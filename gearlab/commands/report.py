@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,17 +40,13 @@ import mlflow
 from mlflow.entities import RunStatus
 
 from gearlab.core.metrics import sanitize_metric_key
-from gearlab.core.power import mde_paired, paired_sd, seeds_needed
+from gearlab.commands.report_credit import credit_eval_table, credit_evals  # noqa: F401 (credit_eval_table re-exported)
+from gearlab.commands.report_plot import CURVE, SMOOTH, _band, _bounds, _plot, _smooth  # noqa: F401 (re-exported)
+from gearlab.core.power import mde_paired, paired_sd, seeds_needed, t_interval
 from gearlab.trainer.provenance import TAG_PREFIX
 
 DEFAULT_METRIC = "eval/greedy_accuracy"
-CURVE = "train/accuracy"
 POWER, ALPHA = 0.8, 0.05  # the power line: detectable at 80% power, two-sided paired t-test at 5%
-CREDIT_EVAL_ARTIFACT = "credit_eval/credit_eval.json"
-# the credit-eval table's columns: (key in credit_eval.json's "assigners" entries, header)
-CREDIT_FIELDS = (("auroc", "AUROC"), ("blame_ratio", "blame ratio"), ("prefix_share", "prefix share"),
-                 ("onset_precision", "onset precision"), ("onset_recall", "onset recall"))
-SMOOTH = 5
 # multi-turn tasks: how the final greedy episodes used their tools (a second table when runs logged them)
 TOOL_METRICS = {"eval/greedy_tool_call_frac": "called a tool", "eval/greedy_correct_call_frac": "correct calls",
                 "eval/greedy_finish_frac": "finished", "eval/greedy_turns_mean": "turns"}
@@ -70,20 +64,6 @@ class Report:
     credit_eval: dict[str, Any] | None = None
 
 
-def t_interval(xs: list[float]) -> tuple[float, float | None]:
-    """(mean, half-width of the 95% Student-t interval) — half-width None when n < 2."""
-    n = len(xs)
-    if n == 0:
-        return float("nan"), None
-    mean = sum(xs) / n
-    if n < 2:
-        return mean, None
-    from scipy.stats import t
-
-    s = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    return mean, float(t.ppf(0.975, n - 1)) * s / math.sqrt(n)
-
-
 def _fmt(mean: float, hw: float | None, n: int, pct: bool = False) -> str:
     if math.isnan(mean):
         return "–"
@@ -98,10 +78,6 @@ def _history(client: mlflow.MlflowClient, run_id: str, key: str) -> list[tuple[i
         if m.step not in last or m.timestamp >= last[m.step].timestamp:
             last[m.step] = m
     return [(s, last[s].value, last[s].timestamp) for s in sorted(last)]
-
-
-def _smooth(vals: list[float], w: int = SMOOTH) -> list[float]:
-    return [sum(vals[max(0, i - w + 1): i + 1]) / len(vals[max(0, i - w + 1): i + 1]) for i in range(len(vals))]
 
 
 def load_comparison(tracking: str, comparison: str) -> tuple[mlflow.MlflowClient, Any, list[Any], list[Any]]:
@@ -216,7 +192,7 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
             row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tool_final.get(row["assigner"], {}).items()}
         table += "\n\n" + _tool_table(rows)
     labelled = {f"{a}-s{s}": finished[(a, s)] for a in order for s in sorted(s_ for a_, s_ in finished if a_ == a)}
-    evals = _credit_evals(client, labelled)
+    evals = credit_evals(client, labelled)
     credit = None
     if evals:
         credit_md, credit = credit_eval_table([d for _, d in evals])
@@ -301,108 +277,6 @@ def power_lines(rows: list[dict[str, Any]], baseline: str, effect: float, pct: b
         out.append(head + f"paired SD {_amount(p['sd'], pct)} (n={p['n']}); smallest difference detectable at "
                    f"{100 * POWER:.0f}% power (two-sided α={ALPHA:g}): {_amount(p['mde80'], pct)}" + tail)
     return out
-
-
-def _credit_evals(client: mlflow.MlflowClient, runs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The ``credit_eval/credit_eval.json`` artifacts of the runs ({label: run}) that have one, as (label, dict);
-    a run without it (or with an unreadable one) is skipped."""
-    out = []
-    folder, _, name = CREDIT_EVAL_ARTIFACT.rpartition("/")
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, r in runs.items():
-            try:
-                if not any(a.path == CREDIT_EVAL_ARTIFACT for a in client.list_artifacts(r.info.run_id, folder)):
-                    continue
-                dst = os.path.join(tmp, label)
-                os.makedirs(dst, exist_ok=True)
-                data = json.loads(Path(client.download_artifacts(r.info.run_id, CREDIT_EVAL_ARTIFACT, dst)).read_text())
-            except Exception:  # noqa: BLE001 - a missing or broken artifact only leaves the table out
-                continue
-            if isinstance(data, dict) and isinstance(data.get("assigners"), dict):
-                out.append((label, data))
-    return out
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _stat(vals: list[float]) -> dict[str, Any]:
-    m, hw = t_interval(vals)
-    return {"mean": _num(m), "half_width": hw, "n": len(vals)}
-
-
-def credit_eval_table(evals: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """The "credit vs known errors" table from one or more ``credit_eval.json`` dicts (one per run).
-
-    Rows: the scored assigner names (keys of ``"assigners"``, in order of first appearance); columns: AUROC,
-    blame ratio, prefix share and, when any file has them, onset precision / recall — each the mean over the
-    files that have a finite value, with the 95% t half-width and n when there are several files (a single
-    file gives its values, no interval). A line under the table gives the signals' AUROC the same way.
-    Returns (markdown text, summary) with summary ``{"n_files", "tasks", "models", "n_trajectories",
-    "n_failed_located", "assigners": {name: {field: {"mean", "half_width", "n"}, "n_files", "n_scored"}},
-    "signals": {signal: {"auroc": {"mean", "half_width", "n"}}}}`` (absent fields are left out)."""
-    k = len(evals)
-    names = list(dict.fromkeys(a for d in evals for a in (d.get("assigners") or {})))
-    sigs = list(dict.fromkeys(s for d in evals for s in (d.get("signals") or {})))
-    fields = list(CREDIT_FIELDS[:3]) + [  # the onset columns only when some file scored a segmenting method
-        (f, h) for f, h in CREDIT_FIELDS[3:]
-        if any(_finite(((d.get("assigners") or {}).get(a) or {}).get(f)) for d in evals for a in names)]
-
-    def total(key: str) -> int | None:
-        vals = [d[key] for d in evals if _finite(d.get(key))]
-        return int(sum(vals)) if vals else None
-
-    summary: dict[str, Any] = {
-        "n_files": k, "tasks": sorted({str(d["task"]) for d in evals if d.get("task") is not None}),
-        "models": sorted({str(d["model"]) for d in evals if d.get("model") is not None}),
-        "n_trajectories": total("n_trajectories"), "n_failed_located": total("n_failed_located"),
-        "assigners": {}, "signals": {}}
-
-    def cell(st: dict[str, Any] | None) -> str:
-        if st is None or st["mean"] is None:
-            return "–"
-        if k == 1:
-            return f"{st['mean']:.3f}"
-        return (f"{st['mean']:.3f} ± {st['half_width']:.3f} (n={st['n']})" if st["half_width"] is not None
-                else f"{st['mean']:.3f} (n={st['n']})")
-
-    lines = [["assigner", *[h for _, h in fields], "scored"]]
-    for a in names:
-        entries = [d["assigners"][a] for d in evals if isinstance((d.get("assigners") or {}).get(a), dict)]
-        rec: dict[str, Any] = {}
-        for f, _ in CREDIT_FIELDS:
-            vals = [float(e[f]) for e in entries if _finite(e.get(f))]
-            if vals:
-                rec[f] = _stat(vals)
-        ns = [e["n"] for e in entries if _finite(e.get("n"))]
-        rec["n_files"], rec["n_scored"] = len(entries), (int(sum(ns)) if ns else None)
-        summary["assigners"][a] = rec
-        lines.append([a, *[cell(rec.get(f)) for f, _ in fields], "–" if rec["n_scored"] is None else str(rec["n_scored"])])
-    for s in sigs:
-        vals = [float(d["signals"][s]["auroc"]) for d in evals
-                if isinstance((d.get("signals") or {}).get(s), dict) and _finite(d["signals"][s].get("auroc"))]
-        summary["signals"][s] = {"auroc": _stat(vals)} if vals else {}
-    widths = [max(len(str(row[i])) for row in lines) for i in range(len(lines[0]))]
-    fmt = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
-    ctx = []
-    if summary["tasks"]:
-        ctx.append("task " + ", ".join(summary["tasks"]))
-    if summary["models"]:
-        ctx.append("model " + ", ".join(summary["models"]))
-    count = f"{k} file{'s' if k != 1 else ''}"
-    if summary["n_trajectories"] is not None:
-        count += f", {summary['n_trajectories']} trajectories"
-    if summary["n_failed_located"] is not None:
-        count += f", {summary['n_failed_located']} failed with the wrong step located"
-    ctx.append(count)
-    head = "credit vs known errors (" + "; ".join(ctx) + ("" if k == 1 else "; mean ± 95% t over files") + ")"
-    # blank lines around the table: in Markdown a text line right after a table's rows would join the table
-    out = [head, "", fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])]
-    if sigs:
-        out += [""]
-        out.append("signals AUROC: " + "; ".join(f"{s} {cell(summary['signals'][s].get('auroc'))}" for s in sigs))
-    return "\n".join(out), summary
 
 
 def parent_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -528,83 +402,3 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
               "clipped to [0, 1]).", ""]
     parts += (["Missing runs (not in the statistics): " + ", ".join(missing), ""] if missing else ["All runs finished.", ""])
     return "\n".join(parts)
-
-
-def _bounds(metric: str, values: list[float] | tuple[float, ...] = ()) -> tuple[float, float] | None:
-    """The range a metric's values can take, for clipping its bands; None when unbounded.
-
-    Rule: a metric is accuracy-like, a fraction in [0, 1], when its name contains "accuracy", "avg@" or
-    "pass@" (also as MLflow spells them, avg_at_ / pass_at_), or contains "reward" and every observed value
-    lies in [0, 1] (the 0/1 correctness rewards; a shaped reward outside [0, 1] stays unclipped). A mean ± t
-    band past [0, 1] only shows the normal approximation failing near 0 or 1, so it is clipped there."""
-    name = metric.lower()
-    if any(s in name for s in ("accuracy", "avg@", "pass@", "avg_at_", "pass_at_")):
-        return 0.0, 1.0
-    if "reward" in name and values and all(0.0 <= v <= 1.0 for v in values):
-        return 0.0, 1.0
-    return None
-
-
-def _band(series: list[list[float]], bounds: tuple[float, float] | None = None) -> tuple[list[float], list[float], list[float]]:
-    """(mean, lower, upper) over the series at each step (95% t band), the band clipped to ``bounds``."""
-    L = min(len(r) for r in series)
-    stats = [t_interval([r[t] for r in series]) for t in range(L)]
-    mean = [m for m, _ in stats]
-    hw = [h or 0.0 for _, h in stats]
-    lo, hi = [m - h for m, h in zip(mean, hw)], [m + h for m, h in zip(mean, hw)]
-    if bounds is not None:
-        lo = [min(max(v, bounds[0]), bounds[1]) for v in lo]
-        hi = [min(max(v, bounds[0]), bounds[1]) for v in hi]
-    return mean, lo, hi
-
-
-def _plot(curves: dict[str, dict[int, list[float]]], final_points: dict[str, dict[int, float]], path: Path, metric: str,
-          baseline: str) -> None:
-    """Left: training accuracy (mean over seeds, 95% t band). Middle: the paired per-seed difference to the
-    baseline (the same prompts make this far less noisy). Right: final metric per seed and its mean ± 95% t."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, axd, ax2) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [3, 3, 1.3]})
-    base = {s: _smooth(v) for s, v in curves.get(baseline, {}).items()}
-    b = _bounds(CURVE, [v for runs in curves.values() for r in runs.values() for v in r])
-    diff_b = (b[0] - b[1], b[1] - b[0]) if b else None  # a difference of two values in [0, 1] lies in [-1, 1]
-    fb = _bounds(metric, [v for pts in final_points.values() for v in pts.values()])
-    for i, (a, runs) in enumerate(curves.items()):
-        color = f"C{i}"
-        if runs:
-            mean, lo, hi = _band([_smooth(r) for r in runs.values()], b)
-            ax.plot(range(len(mean)), mean, color=color, label=f"{a} (n={len(runs)})")
-            ax.fill_between(range(len(mean)), lo, hi, color=color, alpha=0.15)
-            common = sorted(set(runs) & set(base))
-            if a != baseline and common:
-                diffs = [[x - y for x, y in zip(_smooth(runs[s]), base[s])] for s in common]
-                mean, lo, hi = _band(diffs, diff_b)
-                axd.plot(range(len(mean)), mean, color=color, label=f"{a} − {baseline} (n={len(common)})")
-                axd.fill_between(range(len(mean)), lo, hi, color=color, alpha=0.15)
-        pts = list(final_points.get(a, {}).values())
-        ax2.scatter([i] * len(pts), pts, color=color, s=14)
-        if pts:
-            m, h = t_interval(pts)
-            down, up = h or 0.0, h or 0.0
-            if fb is not None:
-                down, up = max(0.0, min(down, m - fb[0])), max(0.0, min(up, fb[1] - m))
-            ax2.errorbar([i + 0.2], [m], yerr=[[down], [up]], fmt="o", color=color, capsize=3)
-    ax.set_title(f"training accuracy ({SMOOTH}-iteration mean)\n(line: mean over seeds; band: 95% t)", fontsize=8)
-    axd.set_title(f"paired difference to {baseline}, per seed\n(line: mean over seeds; band: 95% t)", fontsize=8)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel(f"training accuracy ({SMOOTH}-iteration mean)")
-    ax.legend(fontsize=8)
-    axd.axhline(0, color="k", lw=0.8)
-    axd.set_xlabel("iteration")
-    axd.set_ylabel("paired difference of training accuracy")
-    axd.legend(fontsize=8)
-    for a_ in (ax, axd, ax2):
-        a_.grid(alpha=0.3)
-    ax2.set_xticks(range(len(curves)), list(curves), rotation=45, fontsize=8)
-    ax2.set_title(f"final {metric}\n(dots: seeds; bar: mean ± 95% t)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["paired_sd", "power_paired", "mde_paired", "seeds_needed"]
+__all__ = ["mde_paired", "paired_sd", "power_paired", "seeds_needed", "t_interval"]
 
 
 def paired_sd(diffs: list[float]) -> float:
@@ -126,3 +126,17 @@ def seeds_needed(effect: float, sd: float, power: float = 0.8, alpha: float = 0.
         else:
             lo = mid
     return hi
+
+
+def t_interval(xs: list[float]) -> tuple[float, float | None]:
+    """(mean, half-width of the 95% Student-t interval) — half-width None when n < 2."""
+    n = len(xs)
+    if n == 0:
+        return float("nan"), None
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, None
+    from scipy.stats import t
+
+    s = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    return mean, float(t.ppf(0.975, n - 1)) * s / math.sqrt(n)
