@@ -72,19 +72,14 @@ def find_runs(client: mlflow.MlflowClient, exp_id: str, comparison: str) -> tupl
 def methods_of(cfg: Config) -> list[str]:
     """The comparison's methods: ``compare.assigners`` with every ``compare.grid`` entry expanded into one method per
     point (``gear`` → ``gear:q_on=0.8``, ``gear:q_on=0.9``, …). ConfigError for an unknown method or grid key."""
-    from gearlab.credit.methods import available_methods, expand_grid, method_spec
+    from gearlab.credit.methods import available_methods, expand_grid, unknown_methods
 
     grid = OmegaConf.to_container(cfg.compare.grid) if cfg.compare.grid else {}
     for m, axes in grid.items():
         if not isinstance(axes, dict) or not axes:
             raise ConfigError(f"key 'compare.grid.{m}': expected option lists, e.g. compare.grid.{m}.q_on=[0.8,0.9]")
     names = expand_grid(list(cfg.compare.assigners), grid)
-    unknown = []
-    for n in names:
-        try:
-            method_spec(n)
-        except (KeyError, ValueError):
-            unknown.append(n)
+    unknown = unknown_methods(names)
     if unknown:
         raise ConfigError(f"key 'compare.assigners': unknown {unknown}; known: {', '.join(available_methods())}")
     if len(set(names)) != len(names):

@@ -30,7 +30,6 @@ import torch
 from gearlab.config import Config
 from gearlab.core.metrics import sanitize_metric_key
 from gearlab.credit.scoring import credit_scores, prefix_masks, signal_auroc
-from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.spans import locate_errors
 from gearlab.tasks.registry import task_from_config
@@ -78,7 +77,7 @@ def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_
     """Run the evaluation (see the module docstring) and return the ``credit_eval.json`` record. With ``model`` the
     given weights are scored (a training run's final model); ``run_id`` logs to that MLflow run."""
     from gearlab.commands.inspect import run_assigners
-    from gearlab.commands.replay import load_rollouts, save_rollouts
+    from gearlab.commands.replay import cached_rollouts
 
     task = task_from_config(cfg)
     names = method_names(cfg, task)
@@ -88,24 +87,8 @@ def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_
         model, tokenizer, model_name = load_for_evaluation(cfg)
     engine = engine_from_config(tokenizer, task, cfg)
     path = Path(cfg.credit_eval.rollouts) if cfg.credit_eval.rollouts else None
-    G = cfg.rollout.group_size
-    if path is not None and path.is_file():
-        rb, problems, info = load_rollouts(path)
-        G = int(info["group_size"])
-    else:
-        problems = task.problems("test", cfg.credit_eval.prompts, cfg.trainer.seed)
-        sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-        was_training = model.training
-        model.eval()
-        try:
-            rb = engine.generate(model, problems, group_size=G, sampling=sampling, seed=cfg.trainer.seed)
-        finally:
-            model.train(was_training)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_rollouts(path, rb, problems, {"model": model_name, "task": cfg.task.name, "group_size": G,
-                                               "seed": cfg.trainer.seed, "temperature": cfg.rollout.temperature})
+    rb, problems, info = cached_rollouts(cfg, model, engine, task, path, cfg.credit_eval.prompts, str(model_name))
+    G = int(info["group_size"])
     rows = [p for p in problems for _ in range(G)]
     error, _ = locate_errors(task, tokenizer, rb, rows)
     res = run_assigners(rb, names, model=model, tokenizer=tokenizer, engine=engine, problems=problems, group_size=G,

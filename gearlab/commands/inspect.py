@@ -28,7 +28,7 @@ from gearlab import credit
 from gearlab.core.batch import RolloutBatch
 from gearlab.config import Config, ConfigError
 from gearlab.credit import Signal
-from gearlab.credit.methods import available_methods, build_method, method_spec
+from gearlab.credit.methods import available_methods, build_method, unknown_methods
 from gearlab.core.grpo import group_advantages
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.base import SamplingParams
@@ -45,12 +45,7 @@ def applicable_methods(task: Any, names: list[str] | None = None, key: str = "in
     """``names`` checked (variants and grid points included), or every registered assigner that applies to the task
     (turn methods only on multi-turn tasks). ConfigError naming ``key`` for an unknown method."""
     if names:
-        bad = []
-        for n in names:
-            try:
-                method_spec(n)
-            except (KeyError, ValueError):
-                bad.append(n)
+        bad = unknown_methods(names)
         if bad:
             raise ConfigError(f"key '{key}': unknown {bad}; known: {', '.join(available_methods())}")
         return list(names)

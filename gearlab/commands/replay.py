@@ -96,6 +96,30 @@ def credit_stats(rb: RolloutBatch, seq_adv: Tensor, credit_by: dict[str, Tensor]
     return out
 
 
+def cached_rollouts(cfg: Config, model: Any, engine: Any, task: Any, path: Path | None, prompts: int,
+                    model_name: str) -> tuple[RolloutBatch, list[Problem], dict[str, Any]]:
+    """(batch, problems, info) from the rollout file ``path`` when it exists, else ``prompts`` test problems ×
+    ``rollout.group_size`` responses sampled from ``model`` (seed ``trainer.seed``) and written to ``path`` (when
+    given). ``info["group_size"]`` is the file's group size."""
+    if path is not None and path.is_file():
+        return load_rollouts(path)
+    problems = task.problems("test", prompts, cfg.trainer.seed)
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    was_training = model.training
+    model.eval()
+    try:
+        rb = engine.generate(model, problems, group_size=cfg.rollout.group_size, sampling=sampling, seed=cfg.trainer.seed)
+    finally:
+        model.train(was_training)
+    info = {"model": model_name, "task": cfg.task.name, "group_size": cfg.rollout.group_size, "seed": cfg.trainer.seed,
+            "temperature": cfg.rollout.temperature}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_rollouts(path, rb, problems, info)
+    return rb, problems, info
+
+
 def replay(cfg: Config) -> dict[str, Any]:
     from gearlab.models.loading import load_for_evaluation
     from gearlab.commands.inspect import applicable_methods, run_assigners
@@ -105,19 +129,8 @@ def replay(cfg: Config) -> dict[str, Any]:
     path = Path(cfg.replay.rollouts)
     model, tok, model_name = load_for_evaluation(cfg)
     engine = engine_from_config(tok, task, cfg)
-    G = cfg.rollout.group_size
-    if path.is_file():
-        rb, problems, info = load_rollouts(path)
-        G = int(info["group_size"])
-    else:
-        problems = task.problems("test", cfg.replay.prompts, cfg.trainer.seed)
-        sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-        rb = engine.generate(model, problems, group_size=G, sampling=sampling, seed=cfg.trainer.seed)
-        info = {"model": model_name, "task": cfg.task.name, "group_size": G, "seed": cfg.trainer.seed,
-                "temperature": cfg.rollout.temperature}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_rollouts(path, rb, problems, info)
+    rb, problems, info = cached_rollouts(cfg, model, engine, task, path, cfg.replay.prompts, model_name)
+    G = int(info["group_size"])
     names = applicable_methods(task, list(cfg.replay.assigners), "replay.assigners")
     res = run_assigners(rb, names, model=model, tokenizer=tok, engine=engine, problems=problems, group_size=G,
                         temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,

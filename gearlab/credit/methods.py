@@ -20,7 +20,7 @@ from typing import Any
 from gearlab.config import conf_dir, method_yaml, parse_label
 from gearlab.credit.api import CreditAssigner, available, build
 
-__all__ = ["MethodSpec", "available_methods", "build_method", "expand_grid", "grid_label", "from_config", "method_spec", "parse_label"]
+__all__ = ["MethodSpec", "available_methods", "build_method", "expand_grid", "grid_label", "from_config", "method_spec", "parse_label", "unknown_methods"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,17 @@ def method_spec(label: str) -> MethodSpec:
     if head not in available():
         raise KeyError(f"unknown method {head!r}; known: {', '.join(available_methods())}")
     return MethodSpec(label, head, extra)
+
+
+def unknown_methods(names: list[str]) -> list[str]:
+    """The labels among ``names`` that name no method (unknown head, or a malformed option list)."""
+    bad = []
+    for n in names:
+        try:
+            method_spec(n)
+        except (KeyError, ValueError):
+            bad.append(n)
+    return bad
 
 
 def from_config(assigner_cfg: Any) -> MethodSpec:
