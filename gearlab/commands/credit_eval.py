@@ -16,7 +16,8 @@ metrics ``credit_eval/<method>/<score>``) or to a new run of the experiment ``cr
 
 Simplifications: one batch (the scores' n is its number of scorable failed responses, printed with every number);
 the scored set is the failed responses with a located error and a non-zero GRPO advantage (a response in a group
-where every response failed carries no outcome signal, and plain GRPO gives it no credit to score).
+where every response failed carries no outcome signal, and plain GRPO gives it no credit to score). Signals are
+scored on every failed response with a located error and a correct prefix (the A ≠ 0 condition concerns credit).
 """
 from __future__ import annotations
 
