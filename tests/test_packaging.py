@@ -78,5 +78,5 @@ def test_installed_wheel_works_from_any_directory(wheel, tmp_path):
     assert res["file"].startswith(str(site)), res["file"]
     assert res["conf"].startswith(str(site)), res["conf"]
     assert {"grpo", "gear", "rlsd", "oar_g", "mt_grpo"} <= set(res["assigners"])
-    assert res["gear_opts"] == {} and res["seeds"] == [0, 1, 2]  # the YAML sets no defaults: the class holds them
+    assert res["gear_opts"] == {} and res["seeds"] == [0, 1, 2, 3, 4]  # the YAML sets no defaults: the class holds them
     assert res["bare_assigners"] is False and res["q_on"] == 0.9

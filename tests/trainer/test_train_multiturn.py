@@ -76,7 +76,7 @@ def test_inspect_shows_turns(tmp_path, tool_model_dir):
     assert credit.get("mt_grpo").requires_turns
 
 
-def test_paired_comparison_on_the_tool_task(tmp_path, tool_model_dir, capsys):
+def test_paired_comparison_on_the_tool_task(tmp_path, tool_model_dir):
     """`gearlab compare` on the multi-turn task: the paired design holds (same prompts and first rollouts
     across methods) and the report adds the tool-use table."""
     from gearlab.commands.compare import compare
@@ -92,8 +92,7 @@ def test_paired_comparison_on_the_tool_task(tmp_path, tool_model_dir, capsys):
     kids = {r.data.tags["assigner"]: r for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags}
     first = {a: client.get_metric_history(r.info.run_id, "rollout/tool_call_frac") for a, r in kids.items()}
     assert len({sorted(h, key=lambda m: m.step)[0].value for h in first.values()}) == 1  # same first rollouts
-    printed = capsys.readouterr().out
-    assert "called a tool (final greedy)" in printed and "| mt_grpo" in printed
+    assert "called a tool (final greedy)" in out["table"] and "| mt_grpo" in out["table"]  # the table the CLI prints
 
 
 def test_multi_turn_training_on_two_fsdp2_processes(tmp_path, tool_model_dir):
