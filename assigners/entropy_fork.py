@@ -25,8 +25,9 @@ Scope (option ``scope``):
 Entropy [INF]: H_t of π_old (Signal.ENTROPY). The paper code uses the update forward of the current
 policy; with μ = 1 on-policy updates (docs/credit/README.md#shared-settings-for-comparisons) both are the same policy.
 Selection uses ``torch.topk``, never ``torch.quantile`` (which fails above 2^24 elements).
-Caveat: with "paper" the core's loss_mask also restricts a KL / entropy bonus, which the paper code
-keeps on the full mask; the shared comparison setting uses neither.
+With "paper", the loss mask restricts only the policy-gradient term: the core applies a KL penalty and an entropy
+bonus over every generated token (the full response mask), as the paper code does; the shared comparison setting
+uses neither.
 """
 from __future__ import annotations
 
