@@ -329,14 +329,19 @@ def _describe_assigner(name: str, overrides: list[str]) -> int:
     from gearlab.config import load_config
     from gearlab.credit.options import describe_options
 
+    from gearlab.credit.methods import method_spec
+
     cfg = load_config(overrides)
     for spec in cfg.assigner.plugins:
         credit.load_module(spec)
     try:
-        cls = credit.get(name)
-    except KeyError as e:
+        method = method_spec(name)  # a registered assigner, a variant or a grid point
+        cls = credit.get(method.base)
+    except (KeyError, ValueError) as e:
         print(f"gearlab: error: {str(e).strip(chr(34))}", file=sys.stderr)
         return 2
+    if method.base != name:
+        print(f"{name}: a variant of {method.base} with options {method.options}")
     doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
     promises = [p for p in ("preserves_sign", "preserves_mass", "requires_turns") if getattr(cls, p)]
     print(f"{name}: {doc}")
@@ -353,11 +358,19 @@ def _describe_assigner(name: str, overrides: list[str]) -> int:
 def _assigners(cfg) -> int:
     from gearlab import credit
 
+    from gearlab.credit.methods import available_methods, method_spec
+
     for name in credit.available():
         cls = credit.get(name)
         needs = ", ".join(sorted(str(getattr(s, "value", s)) for s in cls.needs)) or "-"
         doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
         print(f"{name:14s} needs: {needs:30s} {doc}")
+    variants = [m for m in available_methods() if method_spec(m).base != m]
+    if variants:
+        print("variants (conf/assigner/, a base with options; any METHOD:key=value works too):")
+        for m in variants:
+            spec = method_spec(m)
+            print(f"  {m:14s} = {spec.base} {spec.options}")
     return 0
 
 

@@ -76,4 +76,10 @@ def test_assigners_command_prints_options():
     assert "clip_eps" in out.stdout and "needs: logprobs, teacher_logprobs" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "gearlab.cli", "assigners", "nope"], capture_output=True, text=True,
                          timeout=120)
-    assert bad.returncode == 2 and "unknown credit assigner 'nope'" in bad.stderr
+    assert bad.returncode == 2 and "unknown method 'nope'" in bad.stderr and "gear_random" in bad.stderr
+    # a variant is described through its base, with its options
+    var = subprocess.run([sys.executable, "-m", "gearlab.cli", "assigners", "gear_random"], capture_output=True,
+                         text=True, timeout=120)
+    assert var.returncode == 0 and "gear_random: a variant of gear with options {'segmentation': 'random'}" in var.stdout
+    listing = subprocess.run([sys.executable, "-m", "gearlab.cli", "assigners"], capture_output=True, text=True, timeout=120)
+    assert "gear_fixed     = gear {'segmentation': 'fixed'}" in listing.stdout
