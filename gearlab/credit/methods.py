@@ -20,7 +20,7 @@ from typing import Any
 from gearlab.config import conf_dir, method_yaml, parse_label
 from gearlab.credit.api import CreditAssigner, available, build
 
-__all__ = ["MethodSpec", "available_methods", "build_method", "expand_grid", "grid_label", "from_config", "method_spec", "parse_label", "unknown_methods"]
+__all__ = ["MethodSpec", "available_methods", "build_method", "expand_grid", "grid_label", "method_spec", "parse_label", "unknown_methods"]
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,6 @@ def unknown_methods(names: list[str]) -> list[str]:
         except (KeyError, ValueError):
             bad.append(n)
     return bad
-
-
-def from_config(assigner_cfg: Any) -> MethodSpec:
-    """The method of a config's ``assigner`` node (name, base, options)."""
-    return MethodSpec(str(assigner_cfg.name), str(assigner_cfg.base or assigner_cfg.name), dict(assigner_cfg.options))
 
 
 def available_methods() -> list[str]:
