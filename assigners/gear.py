@@ -12,9 +12,20 @@ Provenance (docs/credit/gear.md#provenance). The full text of the paper was NOT 
 * [PROPOSED, docs/credit/gear.md#the-reconstruction] everything concrete below: the onset rule (per-trajectory
   q_on-quantile, absolute floor d_min, local maximum; or a z-score), the extent rule (extend through
   tokens under the q_H entropy quantile, stop at the next onset / fork / masked token / turn boundary /
-  L_max), the segment signal g = d / mean(d) held at its onset value inside a segment, the sign-aware
-  weight w = clip(exp(−sign(A)·β·(g−1)), 1−ε_w, 1+ε_w), the per-trajectory mass normalisation
-  w ← w·N/Σw, and every default value. The live teacher (same weights, detached) is PROPOSED too.
+  L_max), the modulation (below), the per-trajectory mass normalisation w ← w·N/Σw, the answer-leak guard
+  on by default, and every default value. The live teacher (same weights, detached) is PROPOSED too.
+
+The modulation (``modulation="tanh"``, the default since 2026-11-27; docs/credit/gear.md#modulation) [PROPOSED]:
+  e_t = max(0, d_t − d_min)                       the divergence above the absolute floor (nats)
+  c   = median of e over the group's onsets       a robust scale per group of G responses (``scale``)
+  s_t = log1p(e_t / c)                            0 at or below the floor, log 2 at a typical onset
+  w_t = 1 − sign(A)·ε_w·tanh(β·s_t)               bounded, smooth, monotone in the departure's size
+s is held at its onset value inside a segment, so a segment's weight follows the size of its departure; outside
+segments each token keeps its own s_t (0 for sub-floor noise and for answer-guard tokens, whose divergence is
+the teacher's knowledge of the answer, not evidence); a response with no onset keeps w ≡ 1. The first
+reconstruction (``modulation="exp"``, the variant ``gear_v1``) used g = d / mean(d) and
+w = clip(exp(−sign(A)·β·(g−1)), 1−ε_w, 1+ε_w); with onsets at the 0.9 quantile g sits far above 1 there,
+so the clip bound for nearly every segment and sub-floor noise moved every weight.
 
 Every open question (docs/credit/gear.md#open-questions-and-their-options) is an option whose default is the PROPOSED choice:
 
@@ -24,13 +35,15 @@ Every open question (docs/credit/gear.md#open-questions-and-their-options) is an
                          ``onset_local_max`` apply to both
   Q3 entropy rule ...... ``entropy_rule`` = "low_continues" (reading (a)) | "high_continues" (reading (b));
                          ``entropy_source`` = "student" | "teacher"; ``q_h``; ``l_max``
-  Q4 modulation/sign ... ``modulation`` = "exp" (sign-aware) | "exp_unsigned" | "none"; ``beta``; ``eps_w``
+  Q4 modulation/sign ... ``modulation`` = "tanh" (sign-aware) | "tanh_unsigned" | "exp" | "exp_unsigned"
+                         (the first reconstruction) | "none"; ``beta``; ``eps_w``; ``scale`` = "group" |
+                         "batch" | "absolute" (``d_scale``)
   Q5 normalisation ..... ``normalisation`` = "sequence" | "group" | "batch" | "none"
   Q6 teacher weights ... ``teacher_mode`` = "live" | "frozen" | "ema"; ``teacher_sync_every``; ``teacher_ema``
   Q7 teacher context ... ``teacher_context`` = "answer" | "solution"
-  answer leakage (docs/credit/gear.md#caveats) .. ``exclude_last_tokens`` (tokenizer-free: the last k generated tokens of the
-                         trajectory are not onset candidates) and ``exclude_answer_span`` (uses the core's
-                         REASONING_MASK signal; the final-answer span is not an onset candidate)
+  answer leakage (docs/credit/gear.md#caveats) .. ``exclude_answer_span`` (default on: uses the core's
+                         REASONING_MASK signal; the final-answer span is not an onset candidate) and
+                         ``exclude_last_tokens`` (tokenizer-free: the last k generated tokens are not candidates)
 
 Resolved details (all [PROPOSED], not in any source):
 * Quantiles are per trajectory over its generated tokens, linear interpolation (numpy/torch default),
@@ -44,8 +57,14 @@ Resolved details (all [PROPOSED], not in any source):
   while H ≥ τ_H, with the same threshold.
 * Segment length (onset included) is at most l_max. Segments never contain a masked token and never
   cross a change of ``batch.turn_ids``.
-* g_t = d_t / mean over the generated tokens of d. If that mean is ≤ 1e-12 (e.g. teacher ≡ student, or
-  an unclamped sampled divergence with a non-positive mean) g ≡ 1, so w ≡ 1 for that trajectory.
+* tanh: the group's scale c is the median (linear interpolation) of e over the onsets GEAR finds in the
+  group's A ≠ 0 responses; "batch" pools every onset of the batch (not invariant to how a batch is split over
+  ranks; "group" is, since a group never spans ranks); "absolute" uses c = ``d_scale``. A group without
+  onsets, or with c ≤ 1e-12, has s ≡ 0, so w ≡ 1. ``credit/gear_clip_frac`` is the share of segments whose
+  weight factor lies within 1% of ε_w of a bound (|w − 1| ≥ 0.99·ε_w, before normalisation).
+* exp (the first reconstruction, kept bit-identical): g_t = d_t / mean over the generated tokens of d; if that
+  mean is ≤ 1e-12 (e.g. teacher ≡ student, or an unclamped sampled divergence with a non-positive mean) g ≡ 1,
+  so w ≡ 1 for that trajectory. No w ≡ 1 rule for responses without onsets, no floor outside segments.
 * "group" / "batch" normalisation rescale the weights by one positive factor per group / batch so that
   Σw = ΣN over the tokens of the A ≠ 0 sequences; the sign is kept but Σ_t A_{i,t} = N_i A_i is then
   not exact per trajectory, so ``preserves_mass`` is False for them (and for "none").
@@ -53,12 +72,12 @@ Resolved details (all [PROPOSED], not in any source):
 
 Controls (docs/credit/controls.md), ``segmentation`` ≠ "adaptive" — not part of the reconstruction, ablations of it:
 * GEAR's segments are found as above; then, per trajectory, the same number of segments, each carrying
-  its GEAR segment weight (g at the real onset), is put elsewhere: ``random`` keeps each segment's length
+  its GEAR segment weight (the strength at the real onset), is put elsewhere: ``random`` keeps each segment's length
   and draws its onset (longest segment first, uniformly among the free positions where it fits whole; if
   none, among all free generated tokens, truncated at the gap's end), ``fixed`` puts onset j at generated
   token floor(j·N/k) with length ``fixed_len`` (0 = the row's mean GEAR length, rounded half up, ≥ 1),
   truncated at a masked token, a turn change or the next onset. Weights go in GEAR's order.
-* Tokens outside the control's segments keep their per-token g; modulation and normalisation as above.
+* Tokens outside the control's segments keep their per-token strength; modulation and normalisation as above.
 * ``random`` draws from a torch.Generator seeded per row by blake2b(control_seed, the row's real prompt
   ids, its real response ids): the same response (to the same prompt) gets the same placement wherever it
   sits in a batch, and a batch's other rows do not change it.
@@ -66,7 +85,6 @@ Controls (docs/credit/controls.md), ``segmentation`` ≠ "adaptive" — not part
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +93,7 @@ from torch import Tensor
 
 from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit.controls import place_fixed, place_random
 from gearlab.credit.options import option
 from gearlab.credit.seeding import row_seeds
 
@@ -82,13 +101,15 @@ DIVERGENCES = ("full_kl", "sampled")
 ONSET_RULES = ("quantile", "zscore")
 ENTROPY_RULES = ("low_continues", "high_continues")
 ENTROPY_SOURCES = ("student", "teacher")
-MODULATIONS = ("exp", "exp_unsigned", "none")
+MODULATIONS = ("tanh", "tanh_unsigned", "exp", "exp_unsigned", "none")
+SCALES = ("group", "batch", "absolute")
 NORMALISATIONS = ("sequence", "group", "batch", "none")
 TEACHER_MODES = ("live", "frozen", "ema")
 TEACHER_CONTEXTS = ("answer", "solution")
 SEGMENTATIONS = ("adaptive", "random", "fixed")
 
-_MEAN_EPS = 1e-12  # below this mean divergence, g ≡ 1 (no modulation)
+_MEAN_EPS = 1e-12  # below this mean divergence (exp) or scale (tanh), no modulation
+_AT_BOUND = 0.99  # a weight factor with |w − 1| ≥ 0.99·ε_w counts as at a bound (credit/gear_clip_frac)
 _EXP_ARG_MAX = 50.0  # keeps exp() finite before the clip; any value ≥ log(2) gives the same clipped weight
 
 
@@ -106,6 +127,23 @@ def _row_quantile(x: Tensor, pool: Tensor, q: float) -> Tensor:
     return torch.where(n > 0, out, torch.full_like(out, math.inf))
 
 
+def _grouped_median(values: Tensor, keys: Tensor, n_keys: int) -> Tensor:
+    """[n_keys] median (linear interpolation) of ``values`` [n] per key in 0..n_keys−1; 0 for a key with no value."""
+    out = torch.zeros(n_keys, dtype=values.dtype, device=values.device)
+    if values.numel() == 0:
+        return out
+    v, order = values.sort(stable=True)
+    k, o2 = keys[order].sort(stable=True)  # grouped by key, ascending values within each key
+    v = v[o2]
+    counts = torch.bincount(k, minlength=n_keys)
+    start = counts.cumsum(0) - counts
+    pos = 0.5 * (counts - 1).clamp(min=0).to(values.dtype)
+    lo, hi = start + pos.floor().long(), start + pos.ceil().long()
+    last = v.numel() - 1
+    med = v[lo.clamp(max=last)] + (pos - pos.floor()) * (v[hi.clamp(max=last)] - v[lo.clamp(max=last)])
+    return torch.where(counts > 0, med, out)
+
+
 @dataclass
 class GEAROptions:
     """GEAR's options (docs/credit/gear.md#options); every open question of the reconstruction is one."""
@@ -120,15 +158,19 @@ class GEAROptions:
     z_k: float = option(2.0, "onset_rule=zscore: standard deviations above the mean")
     onset_local_max: bool = option(True, "onsets must be local maxima of d")
     exclude_last_tokens: int = option(0, "answer-leak guard: the last k generated tokens cannot be onsets", lo=0)
-    exclude_answer_span: bool = option(False, "answer-leak guard: the final-answer span cannot hold onsets")
+    exclude_answer_span: bool = option(True, "answer-leak guard: the final-answer span cannot hold onsets")
     # Q3: segment extent
     entropy_rule: str = option("low_continues", "a segment runs while H < Q_{q_h}(H), or while H is high", choices=ENTROPY_RULES)
     entropy_source: str = option("student", "whose entropy bounds segments", choices=ENTROPY_SOURCES)
     q_h: float = option(0.8, "entropy quantile that ends a segment", lo=0.0, hi=1.0)
     l_max: int = option(64, "longest segment, onset included (tokens)", lo=1)
-    # Q4: segment weights w = clip(exp(−sign(A)·β·(g−1)), 1−ε_w, 1+ε_w)
-    modulation: str = option("exp", "how the onset divergence scales the segment", choices=MODULATIONS)
+    # Q4: segment weights w = 1 − sign(A)·ε_w·tanh(β·log1p(max(0, d − d_min)/c)), c = the group's median onset excess
+    modulation: str = option("tanh", "how the onset divergence scales the segment (exp*: the first reconstruction, "
+                             "gear_v1)", choices=MODULATIONS)
     beta: float = option(1.0, "modulation strength β", lo=0.0)
+    scale: str = option("group", "modulation=tanh: the divergence scale c — the median onset excess of the group or "
+                        "batch, or d_scale", choices=SCALES)
+    d_scale: float = option(0.5, "scale=absolute: c in nats", lo=0.0, lo_open=True)
     # ε_w < 1 keeps every weight > 0, which is what makes the method sign-preserving
     eps_w: float = option(0.5, "weights are clipped to [1−ε_w, 1+ε_w]", lo=0.0, hi=1.0, hi_open=True)
     # Q5: normalisation
@@ -255,23 +297,28 @@ class GEARAssigner(CreditAssigner):
         in_seg = onset | ((last_onset >= 0) & (last_break < last_onset) & (idx - last_onset < self.l_max))
         seg_ids = torch.where(in_seg, onset.long().cumsum(1) - 1, minus1)
 
-        # 3. signal g -------------------------------------------------------------------------
-        mean_d = (d * valid).sum(dim=1) / N.clamp(min=1).to(f64)
-        ok = (N > 0) & torch.isfinite(mean_d) & (mean_d > _MEAN_EPS)
-        g = torch.where(ok[:, None], d / torch.where(ok, mean_d, torch.ones_like(mean_d))[:, None], torch.ones_like(d))
+        # 3. strength of each token's departure, held at the onset inside a segment ---------------
+        legacy = self.modulation in ("exp", "exp_unsigned")
+        g = self._legacy_g(d, valid, N) if legacy else self._strength(d, pool, onset, batch)
         if self.segmentation == "adaptive":
             g = torch.where(in_seg, g.gather(1, last_onset.clamp(min=0)), g)
         else:  # a control: GEAR's segments (count, weights, lengths for random) at other positions
             onset, in_seg, seg_ids, g = self._control(batch, valid, link, onset, seg_ids, g)
 
         # 4. modulation -------------------------------------------------------------------------
+        signed = self.modulation in ("tanh", "exp")
+        sgn = (torch.sign(A) if signed else torch.ones_like(A))[:, None]
         if self.modulation == "none":
             w = torch.ones_like(d)
-        else:
-            sgn = torch.sign(A) if self.modulation == "exp" else torch.ones_like(A)
-            arg = (-sgn[:, None] * self.beta * (g - 1.0)).clamp(-_EXP_ARG_MAX, _EXP_ARG_MAX)
+        elif legacy:
+            arg = (-sgn * self.beta * (g - 1.0)).clamp(-_EXP_ARG_MAX, _EXP_ARG_MAX)
             w = torch.exp(arg).clamp(1.0 - self.eps_w, 1.0 + self.eps_w)
+        else:  # a response that never departs keeps its GRPO advantage on every token
+            w = 1.0 - sgn * self.eps_w * torch.tanh(self.beta * g)
+            w = torch.where(onset.any(dim=1, keepdim=True), w, torch.ones_like(w))
         w = torch.where(valid, w, torch.zeros_like(w))
+        seg_w = w[onset & valid]  # one weight factor per segment, before normalisation
+        clip_frac = float(((seg_w - 1.0).abs() >= _AT_BOUND * self.eps_w).double().mean()) if seg_w.numel() and self.eps_w > 0 else 0.0
 
         # 5. normalisation ------------------------------------------------------------------------
         if self.normalisation == "sequence":
@@ -294,7 +341,34 @@ class GEARAssigner(CreditAssigner):
         self.last_segments = seg_ids
         self.last_onsets = onset
         self.last_divergence = d.float()
-        return CreditOutput(token_advantages=token_adv, metrics=self._metrics(active, valid, onset, in_seg, w, d))
+        metrics = {**self._metrics(active, valid, onset, in_seg, w, d), "gear_clip_frac": clip_frac,
+                   "onset_strength_mean": float(g[onset & valid].mean()) if bool((onset & valid).any()) else 0.0}
+        return CreditOutput(token_advantages=token_adv, metrics=metrics)
+
+    # -- the strength of a departure ---------------------------------------------------------------
+    @staticmethod
+    def _legacy_g(d: Tensor, valid: Tensor, N: Tensor) -> Tensor:
+        """modulation=exp*: g_t = d_t / (the trajectory's mean d) [B, T]; 1 where that mean is ≤ 1e-12."""
+        mean_d = (d * valid).sum(dim=1) / N.clamp(min=1).to(d.dtype)
+        ok = (N > 0) & torch.isfinite(mean_d) & (mean_d > _MEAN_EPS)
+        return torch.where(ok[:, None], d / torch.where(ok, mean_d, torch.ones_like(mean_d))[:, None], torch.ones_like(d))
+
+    def _strength(self, d: Tensor, pool: Tensor, onset: Tensor, batch: RolloutBatch) -> Tensor:
+        """modulation=tanh*: s_t = log1p(max(0, d_t − d_min) / c) [B, T] on onset candidates (0 elsewhere), c the
+        median excess over the onsets of the row's group (``scale=group``), of the batch, or ``d_scale``."""
+        e = torch.where(pool, (d - self.d_min).clamp(min=0.0), torch.zeros_like(d))
+        B = d.shape[0]
+        if self.scale == "absolute":
+            c = torch.full((B,), self.d_scale, dtype=d.dtype, device=d.device)
+        else:
+            if self.scale == "group":
+                _, key = torch.unique(batch.group_ids.to(d.device), return_inverse=True)
+            else:
+                key = torch.zeros(B, dtype=torch.long, device=d.device)
+            rows, cols = onset.nonzero(as_tuple=True)
+            c = _grouped_median(e[rows, cols], key[rows], int(key.max()) + 1 if B else 0)[key]
+        ok = c > _MEAN_EPS
+        return torch.where(ok[:, None], torch.log1p(e / torch.where(ok, c, torch.ones_like(c))[:, None]), torch.zeros_like(e))
 
     # -- controls (docs/credit/controls.md) ------------------------------------------------------
     def _control(self, batch: RolloutBatch, valid: Tensor, link: Tensor, onset: Tensor, seg_ids: Tensor,
@@ -368,78 +442,3 @@ class GEARAssigner(CreditAssigner):
             "weight_max": float(w[valid].max()) if n_tok else 0.0,
             "divergence_mean": float(d[valid].sum()) / n_tok if n_tok else 0.0,
         }
-
-
-# -- controls: placement of GEAR's segments (docs/credit/controls.md) ------------------------------------
-def place_random(runs: list[tuple[int, int]], segments: list[tuple[int, Any]], gen: torch.Generator,
-                 tries: int = 32) -> list[tuple[int, int, Any]]:
-    """Put each (length, weight) segment at a random onset: ``runs`` are the row's blocks of generated tokens
-    (first, last position, inclusive) that a segment may not leave (masked tokens, turn changes). Longest first
-    (ties in the given order); the onset is uniform over the positions where the segment fits whole without
-    touching an already placed one, or, when there is none, over every free position, the segment then cut at
-    the end of its free gap. Returns (first, last, weight) sorted by position.
-
-    Uniform by rejection: up to ``tries`` onsets drawn among all generated positions, the first that fits is
-    taken (conditionally uniform over those that fit); after that the free gaps are listed and one draw decides.
-    O(T + k·L) per row instead of O(k²) for k segments."""
-    runs = [(s, e) for s, e in runs if e >= s]
-    if not runs:
-        return []
-    cand = [p for s, e in runs for p in range(s, e + 1)]
-    block_end = [0] * (runs[-1][1] + 1)
-    for s, e in runs:
-        block_end[s:e + 1] = [e] * (e - s + 1)
-    taken = bytearray(len(block_end))
-
-    def fits(p: int, length: int) -> bool:
-        return p + length - 1 <= block_end[p] and not any(taken[p:p + length])
-
-    out = []
-    for j in sorted(range(len(segments)), key=lambda j: -segments[j][0]):
-        length, weight = segments[j]
-        first = -1
-        for _ in range(tries):
-            p = cand[int(torch.randint(len(cand), (1,), generator=gen))]
-            if fits(p, length):
-                first, last = p, p + length - 1
-                break
-        if first < 0:  # list the free gaps: a whole fit if any is left, else any free token, cut at its gap's end
-            gaps, s = [], None
-            for p in cand:
-                if taken[p]:
-                    continue
-                if s is None or p != gaps[-1][1] + 1 or block_end[p] != block_end[s]:
-                    gaps.append((p, p))
-                    s = p
-                else:
-                    gaps[-1] = (s, p)
-            room = [max(0, e - g + 2 - length) for g, e in gaps]  # onsets g .. e − length + 1
-            if sum(room) == 0:
-                room = [e - g + 1 for g, e in gaps]
-            if sum(room) == 0:  # cannot happen when the segments came from these runs; never loop on it
-                break
-            u = int(torch.randint(sum(room), (1,), generator=gen))
-            r = 0
-            while u >= room[r]:
-                u -= room[r]
-                r += 1
-            first = gaps[r][0] + u
-            last = min(first + length - 1, gaps[r][1])
-        taken[first:last + 1] = b"\x01" * (last - first + 1)
-        out.append((first, last, weight))
-    return sorted(out, key=lambda x: x[0])
-
-
-def place_fixed(positions: list[int], runs: list[tuple[int, int]], length: int, weights: list[Any]) -> list[tuple[int, int, Any]]:
-    """k = len(weights) segments of ``length`` at regular onsets: onset j is the generated token of index
-    floor(j·N/k) (``positions`` = the N generated positions); each ends at its block's end (``runs``) or before
-    the next onset if sooner. Returns (first, last, weight) in order."""
-    k, n = len(weights), len(positions)
-    onsets = [positions[(j * n) // k] for j in range(k)]
-    run_first = [s for s, _ in runs]
-    out = []
-    for j, first in enumerate(onsets):
-        block_end = runs[bisect_right(run_first, first) - 1][1]
-        last = min(first + length - 1, block_end, onsets[j + 1] - 1 if j + 1 < k else block_end)
-        out.append((first, last, weights[j]))
-    return out

@@ -14,6 +14,13 @@ Writes ``credit_eval.json``, ``credit_eval.md`` (the table) and ``credit_eval.pn
 logs them to MLflow: to the given run (a training run scoring its final model: artifacts under ``credit_eval/``,
 metrics ``credit_eval/<method>/<score>``) or to a new run of the experiment ``credit-eval``.
 
+The same scores are also given on the **reasoning errors** alone (``reasoning_errors`` in the JSON, a second
+table): the failed responses whose first wrong step starts before the final-answer span
+(gearlab.signals.spans: the last "Answer:" marker, else the last line). A wrong final answer after a correct chain
+is trivially "found" by any signal from a teacher that knows the answer; only an earlier error tests whether a
+method finds where the reasoning went wrong, and an answer-leak guard (GEAR's ``exclude_answer_span``) can only
+help there.
+
 Simplifications: one batch (the scores' n is its number of scorable failed responses, printed with every number);
 the scored set is the failed responses with a located error and a non-zero GRPO advantage (a response in a group
 where every response failed carries no outcome signal, and plain GRPO gives it no credit to score). Signals are
@@ -32,7 +39,7 @@ from gearlab.config import Config
 from gearlab.core.metrics import sanitize_metric_key
 from gearlab.credit.scoring import credit_scores, prefix_masks, signal_auroc
 from gearlab.rollout.factory import engine_from_config
-from gearlab.signals.spans import locate_errors
+from gearlab.signals.spans import answer_positions, locate_errors
 from gearlab.tasks.registry import task_from_config
 
 SCORES = ("auroc", "blame_ratio", "prefix_share", "onset_precision", "onset_recall")
@@ -73,6 +80,18 @@ def score_batch(rb, names: list[str], res: dict[str, Any], error: torch.Tensor) 
     return out
 
 
+def reasoning_error_scores(rb, names: list[str], res: dict[str, Any], error: torch.Tensor, tokenizer: Any) -> dict[str, Any]:
+    """``score_batch`` restricted to the rows whose located error starts before the final-answer span, with their
+    counts: {"n_located": ..., "n_located_informative": ..., "assigners": ..., "signals": ...}."""
+    reasoning, _ = answer_positions(tokenizer, rb.response_ids.cpu(), rb.response_mask.cpu())
+    first = error.bool() & (error.long().cumsum(dim=1) == 1)  # each row's first error token
+    early = (first & reasoning.to(error.device)).any(dim=1)
+    err = error & early[:, None]
+    located = err.any(dim=1)
+    return {"n_located": int(located.sum()), "n_located_informative": int((located & (res["seq_adv"] != 0)).sum()),
+            **score_batch(rb, names, res, err)}
+
+
 def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_name: str | None = None,
                 run_id: str | None = None, out_dir: Path | None = None, log: bool = True) -> dict[str, Any]:
     """Run the evaluation (see the module docstring) and return the ``credit_eval.json`` record. With ``model`` the
@@ -99,7 +118,9 @@ def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_
     record = {"task": cfg.task.name, "model": model_name, "n_trajectories": rb.batch_size,
               "n_failed": int((rb.rewards < 1 - 1e-6).sum()), "n_failed_located": int(located.sum()),
               "n_located_informative": int((located & (res["seq_adv"] != 0)).sum()),
-              **score_batch(rb, names, res, error)}
+              **score_batch(rb, names, res, error),
+              "reasoning_errors": reasoning_error_scores(rb, names, res, error, tokenizer),
+              "assigner_metrics": res["metrics"]}  # each method's own diagnostics on this batch (e.g. gear_clip_frac)
     out = Path(out_dir or cfg.credit_eval.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "credit_eval.json").write_text(json.dumps(record, indent=2, default=_json_nan))
@@ -155,6 +176,18 @@ def markdown(record: dict[str, Any]) -> str:
                      f"{_num(s.get('onset_precision'))} | {_num(s.get('onset_recall'))} | {s.get('n', 0)} |")
     for name, s in record["signals"].items():
         lines.append(f"| signal: {name} | {_num(s.get('auroc'))} | | | | | {s.get('n', 0)} |")
+    early = record.get("reasoning_errors")
+    if early:
+        lines += ["", f"Errors before the final-answer span only ({early['n_located_informative']} scored):", "",
+                  "| method | AUROC | blame ratio | prefix share | onset P | onset R | n |", "|---|---|---|---|---|---|---|"]
+        for name, s in early["assigners"].items():
+            lines.append(f"| {name} | {_num(s.get('auroc'))} | {_num(s.get('blame_ratio'))} | {_num(s.get('prefix_share'))} | "
+                         f"{_num(s.get('onset_precision'))} | {_num(s.get('onset_recall'))} | {s.get('n', 0)} |")
+        for name, s in early["signals"].items():
+            lines.append(f"| signal: {name} | {_num(s.get('auroc'))} | | | | | {s.get('n', 0)} |")
+    clip = {n: m["gear_clip_frac"] for n, m in (record.get("assigner_metrics") or {}).items() if "gear_clip_frac" in m}
+    if clip:
+        lines.append("\nSegment weights at a bound (`gear_clip_frac`): " + ", ".join(f"{n} {v:.3f}" for n, v in clip.items()))
     return "\n".join(lines)
 
 

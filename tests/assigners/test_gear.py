@@ -1,8 +1,10 @@
 """GEAR assigner (docs/credit/gear.md, PROPOSED reconstruction): hand-computed values on a tiny batch.
 
-Defaults throughout unless a test says otherwise: full_kl divergence, q_on = 0.9, d_min = 0.05, local max,
-low_continues with q_h = 0.8 on the student entropy, l_max = 64, w = clip(exp(−sign(A)(g−1)), 0.5, 1.5),
-per-sequence mass normalisation w ← w·N/Σw.
+Two halves. The first pins the segmentation and the first reconstruction's modulation (``V1``: modulation=exp,
+no answer-leak guard; the variant ``gear_v1``), with these defaults unless a test says otherwise: full_kl
+divergence, q_on = 0.9, d_min = 0.05, local max, low_continues with q_h = 0.8 on the student entropy, l_max = 64,
+w = clip(exp(−sign(A)(g−1)), 0.5, 1.5), per-sequence mass normalisation w ← w·N/Σw. The second
+(``# === modulation=tanh``) pins the default modulation: w = 1 − sign(A)·ε_w·tanh(β·log1p(max(0, d − d_min)/c)).
 
 Quantiles are linear-interpolation quantiles over the generated tokens of one sequence: with the n
 sorted values v_0..v_{n−1}, pos = q·(n−1), Q = v[floor(pos)] + frac(pos)·(v[ceil(pos)] − v[floor(pos)]).
@@ -24,6 +26,14 @@ from gearlab.credit import Signal
 from assigners.gear import GEARAssigner
 
 T = 12
+V1 = {"modulation": "exp", "exclude_answer_span": False}  # the first reconstruction (conf/assigner/gear_v1.yaml)
+
+
+def v1(opts=None):
+    """GEAR with the first reconstruction's modulation and no answer-leak guard, plus ``opts``."""
+    return credit.build("gear", {**V1, **(opts or {})})
+
+
 E13 = math.exp(1 / 3)  # 1.395612: g = 2/3 for A > 0 → exp(−(2/3 − 1)), inside [0.5, 1.5]
 EM13 = math.exp(-1 / 3)  # 0.716531: g = 2/3 for A < 0 → exp(+(2/3 − 1))
 EM23 = math.exp(-2 / 3)  # 0.513417: g = 1/3 for A < 0 → exp(1/3 − 1)
@@ -112,7 +122,7 @@ def assert_close_to(actual, expected, atol=1e-6):
 
 def run(signals=None, turns=True, adv=ADV, **opts):
     batch, sig = make_batch(turns)
-    a = credit.build("gear", opts)
+    a = v1(opts)
     out = a.assign(batch, adv, sig if signals is None else signals)
     return a, out, batch
 
@@ -222,7 +232,7 @@ def test_mass_preserved_per_sequence(opts):
     if opts.get("divergence") == "sampled":
         sig = {Signal.LOGPROBS: -sig[Signal.ENTROPY] * 0.7, Signal.TEACHER_LOGPROBS: -sig[Signal.TEACHER_KL],
                Signal.ENTROPY: sig[Signal.ENTROPY]}
-    a = credit.build("gear", opts)
+    a = v1(opts)
     assert a.preserves_mass
     out = a.assign(batch, ADV, sig)
     N = batch.response_mask.sum(1).double()
@@ -258,7 +268,7 @@ def test_modulation_options():
 
 def test_deterministic_and_row_independent():
     batch, sig = make_batch()
-    a = credit.build("gear")
+    a = v1()
     o1, o2 = a.assign(batch, ADV, sig), a.assign(batch, ADV, sig)
     assert torch.equal(o1.token_advantages, o2.token_advantages)
     # per-sequence scope: a sub-batch gives the same rows
@@ -280,7 +290,7 @@ def _one_seq(lp_minus_tlp, H):
 
 
 def test_sampled_divergence_clamped_and_unclamped():
-    a = credit.build("gear", {"divergence": "sampled"})
+    a = v1({"divergence": "sampled"})
     assert a.needs == {Signal.LOGPROBS, Signal.TEACHER_LOGPROBS, Signal.ENTROPY}
     batch, sig = _one_seq([-0.4, 1.0, 0.1, 0.1, 0.1, 0.1], [0.1, 0.2, 0.1, 0.1, 0.2, 1.0])
     # clamped d = [0, 1, .1, .1, .1, .1]: sorted 0, .1×4, 1 → Q = .1 + .5·.9 = .55 → onset {1};
@@ -291,7 +301,7 @@ def test_sampled_divergence_clamped_and_unclamped():
     assert_close_to(out.token_advantages[0], [1.5, 0.5, 0.5, 0.5, 1.5, 1.5])
     # unclamped: d[0] = −0.4, same onset and segment; mean d = 1/6 → g(t4, t5) = 0.6 → exp(0.4) = 1.4918;
     # g(t0) = −2.4 → exp(3.4) → 1.5; Σ = 3 + 2·e^{0.4} = 5.9836 → ×6/5.9836
-    a = credit.build("gear", {"divergence": "sampled", "clamp_sampled": False})
+    a = v1({"divergence": "sampled", "clamp_sampled": False})
     out = a.assign(batch, torch.tensor([1.0]), sig)
     assert a.last_segments[0].tolist() == [-1, 0, 0, 0, -1, -1]
     assert_close_to(out.token_advantages[0], normed([1.5, 0.5, 0.5, 0.5, math.exp(0.4), math.exp(0.4)]))
@@ -307,8 +317,8 @@ def test_sampled_equals_full_kl_when_estimates_agree():
     sampled = {Signal.TEACHER_LOGPROBS: torch.full((5, T), -3.0) * batch.response_mask,
                Signal.ENTROPY: sig[Signal.ENTROPY]}
     sampled[Signal.LOGPROBS] = sampled[Signal.TEACHER_LOGPROBS] + sig[Signal.TEACHER_KL]
-    o_kl = credit.build("gear").assign(batch, ADV, sig)
-    o_s = credit.build("gear", {"divergence": "sampled"}).assign(batch, ADV, sampled)
+    o_kl = v1().assign(batch, ADV, sig)
+    o_s = v1({"divergence": "sampled"}).assign(batch, ADV, sampled)
     assert_close_to(o_s.token_advantages, o_kl.token_advantages)
 
 
@@ -330,7 +340,7 @@ def test_zscore_onsets():
 def test_d_min_floor_and_constant_divergence():
     batch, sig = make_batch()
     sig[Signal.TEACHER_KL] = torch.full((5, T), 0.01) * batch.response_mask  # below d_min: no onset
-    a = credit.build("gear")
+    a = v1()
     out = a.assign(batch, ADV, sig)
     assert (a.last_segments == -1).all()
     assert_close_to(out.token_advantages, ADV[:, None] * batch.response_mask.float())  # g ≡ 1 → w ≡ 1
@@ -339,7 +349,7 @@ def test_d_min_floor_and_constant_divergence():
     assert_close_to(out.token_advantages, ADV[:, None] * batch.response_mask.float())
     # a large floor removes the onsets of seq 0 although they are quantile peaks
     batch, sig = make_batch()
-    a = credit.build("gear", {"d_min": 1.5})
+    a = v1({"d_min": 1.5})
     a.assign(batch, ADV, sig)
     assert (a.last_segments == -1).all()
 
@@ -351,10 +361,10 @@ def test_local_max_option():
     sig[Signal.TEACHER_KL] = d
     # sorted 0.1×8, 0.9, 1.0; pos 8.1 → Q = 0.9 + 0.1·0.1 = 0.91 → only t9 qualifies either way; with q_on = 0.8:
     # pos 7.2 → Q = 0.1 + 0.2·0.8 = 0.26 → t8 (0.9) and t9 (1.0) pass; t8 is no local max (t9 > t8)
-    a = credit.build("gear", {"q_on": 0.8})
+    a = v1({"q_on": 0.8})
     a.assign(batch, ADV, sig)
     assert a.last_onsets[0].nonzero().flatten().tolist() == [9]
-    a = credit.build("gear", {"q_on": 0.8, "onset_local_max": False})
+    a = v1({"q_on": 0.8, "onset_local_max": False})
     a.assign(batch, ADV, sig)
     assert a.last_onsets[0].nonzero().flatten().tolist() == [8, 9]
     assert a.last_segments[0].tolist() == segs((8, 8), (9, 9))  # the next onset ends a segment
@@ -372,14 +382,14 @@ def test_exclude_last_tokens():
 
 def test_teacher_entropy_source_and_needs():
     batch, sig = make_batch()
-    a = credit.build("gear", {"entropy_source": "teacher"})
+    a = v1({"entropy_source": "teacher"})
     assert a.needs == {Signal.TEACHER_KL, Signal.TEACHER_ENTROPY}
     out = a.assign(batch, ADV, {Signal.TEACHER_KL: sig[Signal.TEACHER_KL], Signal.TEACHER_ENTROPY: sig[Signal.ENTROPY]})
-    ref = credit.build("gear").assign(batch, ADV, sig)
+    ref = v1().assign(batch, ADV, sig)
     assert_close_to(out.token_advantages, ref.token_advantages)
     assert GEARAssigner.needs == {Signal.TEACHER_KL, Signal.ENTROPY}
-    assert credit.build("gear", {"exclude_answer_span": True}).needs == {Signal.TEACHER_KL, Signal.ENTROPY,
-                                                                       Signal.REASONING_MASK}
+    assert v1({"exclude_answer_span": True}).needs == {Signal.TEACHER_KL, Signal.ENTROPY, Signal.REASONING_MASK}
+    assert credit.build("gear").needs == {Signal.TEACHER_KL, Signal.ENTROPY, Signal.REASONING_MASK}  # guard on by default
     with pytest.raises(ValueError, match="teacher_entropy"):
         a.assign(batch, ADV, sig)
 
@@ -388,17 +398,17 @@ def test_exclude_answer_span_uses_reasoning_mask():
     batch, sig = make_batch()
     rm = batch.response_mask.float().clone()
     rm[0, 6:] = 0  # seq 0: final-answer span t6..t9 → same pool as exclude_last_tokens=4
-    a = credit.build("gear", {"exclude_answer_span": True})
+    a = v1({"exclude_answer_span": True})
     a.assign(batch, ADV, {**sig, Signal.REASONING_MASK: rm})
     assert a.last_segments[0].tolist() == segs((2, 4))
 
 
 def test_teacher_attributes():
-    a = credit.build("gear", {"teacher_mode": "ema", "teacher_ema": 0.9, "teacher_context": "solution"})
+    a = v1({"teacher_mode": "ema", "teacher_ema": 0.9, "teacher_context": "solution"})
     assert (a.teacher_mode, a.teacher_ema, a.teacher_context) == ("ema", 0.9, "solution")
-    a = credit.build("gear", {"teacher_mode": "frozen", "teacher_sync_every": 10})
+    a = v1({"teacher_mode": "frozen", "teacher_sync_every": 10})
     assert (a.teacher_mode, a.teacher_sync_every) == ("frozen", 10)
-    a = credit.build("gear")
+    a = v1()
     assert (a.teacher_mode, a.teacher_context, a.preserves_sign, a.preserves_mass) == ("live", "answer", True, True)
 
 
@@ -415,7 +425,7 @@ def test_teacher_attributes():
 ])
 def test_option_validation(opts, match):
     with pytest.raises(ValueError, match=match):
-        credit.build("gear", opts)
+        v1(opts)
 
 
 def test_yaml_and_class_cannot_disagree_on_defaults():
@@ -424,7 +434,8 @@ def test_yaml_and_class_cannot_disagree_on_defaults():
     assert conf["name"] == "gear" and conf["options"] == {}
     defaults = {f.name: f.default for f in dataclasses.fields(GEARAssigner.Options)}
     a = credit.build("gear", conf["options"])
-    assert {k: getattr(a, k) for k in defaults} == defaults and len(defaults) == 24  # 21 + segmentation, control_seed, fixed_len
+    assert {k: getattr(a, k) for k in defaults} == defaults and len(defaults) == 26  # 21 + scale, d_scale + 3 controls
+    assert (a.modulation, a.scale, a.exclude_answer_span) == ("tanh", "group", True)
     assert "gear" in credit.available()
 
 
@@ -503,7 +514,7 @@ def seg_list(row_ids: torch.Tensor) -> list[tuple[int, int]]:
 def run_ctrl(batch=None, sig=None, adv=ADV_C, **opts):
     if batch is None:
         batch, sig = make_ctrl_batch()
-    a = credit.build("gear", {**CTRL, **opts})
+    a = v1({**CTRL, **opts})
     return a, a.assign(batch, adv, sig), batch, sig
 
 
@@ -555,7 +566,7 @@ def test_fixed_len_truncates_at_masked_tokens_turns_and_the_next_onset():
                                                                [(0, 9), (12, 23)]]
     # a fixed length makes GEAR's own lengths (the entropy) irrelevant: the signal is no longer needed
     assert a.needs == {Signal.TEACHER_KL}
-    assert credit.build("gear", {"segmentation": "fixed"}).needs == {Signal.TEACHER_KL, Signal.ENTROPY}
+    assert v1({"segmentation": "fixed"}).needs == {Signal.TEACHER_KL, Signal.ENTROPY}
     a2, _, _, _ = run_ctrl(segmentation="fixed", fixed_len=1)
     assert [seg_list(a2.last_segments[r]) for r in range(3)] == [[(0, 0), (15, 15)], [(0, 0), (16, 16)],
                                                                 [(0, 0), (12, 12)]]
@@ -619,7 +630,7 @@ def test_random_is_seeded_per_row_not_per_batch():
 
 def test_random_keeps_gears_promises():
     batch, sig = make_ctrl_batch()
-    a = credit.build("gear", {"segmentation": "random"})
+    a = v1({"segmentation": "random"})
     assert a.preserves_sign and a.preserves_mass
     out = a.assign(batch, ADV_C, sig)
     adv = out.token_advantages
@@ -628,28 +639,6 @@ def test_random_keeps_gears_promises():
     gen = batch.response_mask & (ADV_C != 0)[:, None]
     assert (torch.sign(adv)[gen] == torch.sign(ADV_C)[:, None].expand_as(adv)[gen]).all()
     assert (adv[~batch.response_mask] == 0).all()
-
-
-def test_place_random_and_place_fixed():
-    from assigners.gear import place_fixed, place_random
-
-    for seed in range(20):
-        gen = torch.Generator().manual_seed(seed)
-        # room for both: always whole, inside the blocks, disjoint, sorted by position, weights attached
-        placed = place_random([(0, 9), (12, 29)], [(2, "a"), (4, "b")], gen)
-        assert sorted((e - s + 1, w) for s, e, w in placed) == [(2, "a"), (4, "b")]
-        assert [s for s, _, _ in placed] == sorted(s for s, _, _ in placed) and placed[0][1] < placed[1][0]
-        assert all((0 <= s and e <= 9) or (12 <= s and e <= 29) for s, e, _ in placed)
-        # a block of 5 and two segments of 3: the first (longest, then in order) is whole, the second cannot be
-        placed = place_random([(0, 4)], [(3, "a"), (3, "b")], gen)
-        lengths = {w: e - s + 1 for s, e, w in placed}
-        assert lengths["a"] == 3 and 1 <= lengths["b"] <= 2 and placed[0][1] < placed[1][0]
-    # the uniform draw: a 4-token segment in a block of 6 has 3 onsets; all of them come up, nothing else
-    onsets = {place_random([(10, 15)], [(4, 0)], torch.Generator().manual_seed(s))[0][0] for s in range(60)}
-    assert onsets == {10, 11, 12}
-    assert place_fixed(list(range(10)), [(0, 9)], 2, ["x", "y", "z"]) == [(0, 1, "x"), (3, 4, "y"), (6, 7, "z")]
-    # N = 6 generated positions, k = 2: onsets at index 0 and 3 (position 5); each cut at its block's end
-    assert place_fixed([0, 1, 2, 5, 6, 7], [(0, 2), (5, 7)], 5, ["x", "y"]) == [(0, 2, "x"), (5, 7, "y")]
 
 
 @pytest.mark.parametrize("opts", [{"segmentation": "random"}, {"segmentation": "fixed"},
@@ -686,4 +675,187 @@ def test_control_variants_resolve_and_pass_check_assigner():
                                          ({"control_seed": 1.5}, "control_seed")])
 def test_control_option_validation(opts, match):
     with pytest.raises(ValueError, match=match):
-        credit.build("gear", opts)
+        v1(opts)
+
+
+# ================================================================================== modulation=tanh (the default)
+# w = 1 − sign(A)·ε_w·tanh(β·s), s = log1p(max(0, d − d_min)/c), c = the median excess over the group's onsets;
+# s held at the onset inside a segment; no onset in a response → w ≡ 1. The planted batch of the controls:
+# background d = 0.01 < d_min, so every token outside a segment has s = 0.
+#   group 0 (rows 0, 1): onset excesses 0.55, 0.25 (row 0), 0.45, 0.20 (row 1) → sorted .20 .25 .45 .55 → c = 0.35
+#   group 1 (row 2; row 3 has A = 0): 0.75, 0.35 → c = 0.55
+SCALE = {0: 0.35, 1: 0.35, 2: 0.55}
+
+
+def tanh_w(excess: float, c: float, sign: float, beta: float = 1.0, eps: float = 0.5) -> float:
+    return 1.0 - sign * eps * math.tanh(beta * math.log1p(excess / c))
+
+
+def run_tanh(batch=None, sig=None, adv=ADV_C, **opts):
+    """Default GEAR on the planted batch; the answer-leak guard gets a reasoning mask covering every generated token."""
+    if batch is None:
+        batch, sig = make_ctrl_batch()
+    sig = {Signal.REASONING_MASK: batch.response_mask.float(), **sig}
+    a = credit.build("gear", opts)
+    return a, a.assign(batch, adv, sig), batch, sig
+
+
+def tanh_row(row: int, batch, sig, c: float, beta: float = 1.0, sign: float | None = None) -> list[float]:
+    """Hand weights of a planted row before normalisation: each GEAR segment at its onset's weight, 1 elsewhere."""
+    w = [1.0 if m else 0.0 for m in batch.response_mask[row].tolist()]
+    sgn = math.copysign(1.0, float(ADV_C[row])) if sign is None else sign
+    for s, e in GEAR_SEGS[row]:
+        excess = float(sig[Signal.TEACHER_KL][row, s]) - 0.05
+        w[s:e + 1] = [tanh_w(excess, c, sgn, beta)] * (e - s + 1)
+    return w
+
+
+def test_tanh_hand_values():
+    a, out, batch, sig = run_tanh(normalisation="none")
+    assert [seg_list(a.last_segments[r]) for r in range(4)] == [GEAR_SEGS[r] for r in range(4)]
+    for r in range(3):
+        want = tanh_row(r, batch, sig, SCALE[r])
+        assert_close_to(a.last_weights[r], want)
+        assert_close_to(out.token_advantages[r], [x * float(ADV_C[r]) for x in want])
+    # e.g. row 0 (A = +1), the 0.6 peak: s = log1p(0.55/0.35) = 0.9445 → w = 1 − 0.5·tanh(0.9445) = 0.6314
+    assert_close_to(a.last_weights[0, 5], 0.631367, atol=1e-6)
+    assert out.token_advantages[3].abs().sum() == 0
+    # with the default per-sequence normalisation: w·N/Σw, N = 30, 28, 24
+    _, out, _, _ = run_tanh()
+    for r in range(3):
+        assert_close_to(out.token_advantages[r], [x * float(ADV_C[r]) for x in normed(tanh_row(r, batch, sig, SCALE[r]))])
+    assert out.metrics["gear_clip_frac"] == 0.0
+
+
+def test_departure_size_sets_the_segment_weight():
+    """Two failed responses of one group that differ only in the size of their departure get different segment
+    weights, the larger departure the larger blame (and, succeeded, the smaller credit), monotonically."""
+    B, n = 6, 20
+    d = torch.full((B, n), 0.01)
+    peaks = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2]
+    for r, p in enumerate(peaks):
+        d[r, 7] = p
+    H = torch.ones(B, n)
+    batch = RolloutBatch(prompt_ids=torch.ones(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
+                         response_ids=torch.ones(B, n, dtype=torch.long), response_mask=torch.ones(B, n, dtype=torch.bool),
+                         group_ids=torch.zeros(B, dtype=torch.long), rewards=torch.zeros(B))
+    sig = {Signal.TEACHER_KL: d, Signal.ENTROPY: H, Signal.REASONING_MASK: torch.ones(B, n)}
+    for sign in (-1.0, 1.0):
+        a = credit.build("gear", {"normalisation": "none"})
+        a.assign(batch, torch.full((B,), sign), sig)
+        seg_w = a.last_weights[:, 7].double()
+        assert (a.last_onsets.sum(1) == 1).all()
+        steps = seg_w[1:] - seg_w[:-1]
+        assert ((-sign * steps) > 1e-3).all(), seg_w  # strictly monotone in the departure, none saturated
+        c = (0.4 + 0.8) / 2 - 0.05  # the median of the 6 excesses (peaks − 0.05)
+        assert_close_to(seg_w, [tanh_w(p - 0.05, c, sign) for p in peaks])
+        assert_close_to(a.last_weights[:, :7], torch.ones(B, 7))  # sub-floor tokens untouched
+    # the first reconstruction gave the two smallest departures of a failed response the same clipped weight
+    a = v1({"normalisation": "none"})
+    a.assign(batch, torch.full((B,), -1.0), {k: v for k, v in sig.items() if k != Signal.REASONING_MASK})
+    assert torch.equal(a.last_weights[:, 7], torch.full((B,), 1.5))
+
+
+def test_aligned_response_keeps_its_grpo_advantage():
+    """The reproduction of the audit: a response that never departs (every d ≤ 0.01 nats) is not reweighted."""
+    d = torch.tensor([[.001, .004, .002, .010, .003, .001, .002, .001]])
+    batch = RolloutBatch(prompt_ids=torch.ones(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.long),
+                         response_ids=torch.ones(1, 8, dtype=torch.long), response_mask=torch.ones(1, 8, dtype=torch.bool),
+                         group_ids=torch.tensor([0]), rewards=torch.tensor([1.0]))
+    H = torch.rand(1, 8, generator=torch.Generator().manual_seed(0))
+    sig = {Signal.TEACHER_KL: d, Signal.ENTROPY: H, Signal.REASONING_MASK: torch.ones(1, 8)}
+    for opts in ({}, {"d_min": 0.0}, {"onset_rule": "zscore", "z_k": 3.0}, {"scale": "batch"}, {"normalisation": "none"}):
+        a = credit.build("gear", opts)
+        out = a.assign(batch, torch.tensor([1.0]), sig)
+        if not a.last_onsets.any():
+            assert torch.equal(out.token_advantages, torch.ones(1, 8)), opts
+    out = credit.build("gear").assign(batch, torch.tensor([1.0]), sig)
+    assert torch.equal(out.token_advantages, torch.ones(1, 8))
+    # the first reconstruction spread these weights by noise (the audit's numbers)
+    out = v1().assign(batch, torch.tensor([1.0]), {Signal.TEACHER_KL: d, Signal.ENTROPY: H})
+    assert_close_to(out.token_advantages[0], [1.262, 0.603, 1.174, 0.421, 0.841, 1.262, 1.174, 1.262], atol=1e-3)
+
+
+def test_sub_floor_noise_outside_segments_does_not_move_credit():
+    batch, sig = make_ctrl_batch()
+    _, ref, _, _ = run_tanh(batch, sig)
+    noisy = dict(sig)
+    noise = torch.rand(4, TC, generator=torch.Generator().manual_seed(1)) * 0.039  # 0.01 + noise < d_min = 0.05
+    for r in range(4):
+        for t in PEAKS[r]:
+            noise[r, t] = 0.0
+    noisy[Signal.TEACHER_KL] = (sig[Signal.TEACHER_KL] + noise * (sig[Signal.TEACHER_KL] < 0.05)) * batch.response_mask
+    a, out, _, _ = run_tanh(batch, noisy)
+    assert [seg_list(a.last_segments[r]) for r in range(4)] == [GEAR_SEGS[r] for r in range(4)]
+    assert_close_to(out.token_advantages, ref.token_advantages, atol=1e-12)
+    # above the floor, a token outside the segments is weighted by its own absolute divergence: row 0 gets t12 = 0.2
+    # (a local max above the 0.9-quantile 0.11: a new onset; H = 1 there, so its segment is t12 alone) and t13 = 0.1
+    # (under the quantile: no onset, s = log1p(0.05/c)); group 0's excesses .55 .25 .15 | .45 .20 → c = 0.25
+    dd = sig[Signal.TEACHER_KL].clone()
+    dd[0, 12], dd[0, 13] = 0.2, 0.1
+    a, _, _, _ = run_tanh(batch, {**sig, Signal.TEACHER_KL: dd}, normalisation="none")
+    assert seg_list(a.last_segments[0]) == [(5, 8), (12, 12), (20, 21)]
+    assert_close_to(a.last_weights[0, 12:14], [tanh_w(0.15, 0.25, 1.0), tanh_w(0.05, 0.25, 1.0)])
+    assert_close_to(a.last_weights[0, 14:20], [1.0] * 6)
+
+
+def test_answer_span_guard_is_on_by_default():
+    batch, sig = make_ctrl_batch()
+    rm = batch.response_mask.float().clone()
+    rm[0, 18:] = 0  # row 0: its second peak (t20) lies in the final-answer span
+    a, out, _, _ = run_tanh(batch, {**sig, Signal.REASONING_MASK: rm}, normalisation="none")
+    assert seg_list(a.last_segments[0]) == [(5, 8)]
+    # group 0's scale now pools 0.55 (row 0) and 0.45, 0.20 (row 1) → c = 0.45; t20's own strength is 0 (guarded)
+    want = [1.0] * 30 + [0.0, 0.0]
+    want[5:9] = [tanh_w(0.55, 0.45, 1.0)] * 4
+    assert_close_to(a.last_weights[0], want)
+    # a response whose only departure is in the answer span keeps its GRPO advantage
+    rm[1, :] = 0
+    a, out, _, _ = run_tanh(batch, {**sig, Signal.REASONING_MASK: rm})
+    assert_close_to(out.token_advantages[1], -batch.response_mask[1].float())
+    off, _, _, _ = run_tanh(batch, {**sig, Signal.REASONING_MASK: rm}, exclude_answer_span=False)
+    assert seg_list(off.last_segments[0]) == GEAR_SEGS[0]
+
+
+def test_scale_options():
+    batch, sig = make_ctrl_batch()
+    a, _, _, _ = run_tanh(batch, sig, normalisation="none", scale="batch")
+    # every onset of the batch (rows 0–2): .55 .25 .45 .20 .75 .35 → sorted .20 .25 .35 .45 .55 .75 → c = 0.40
+    for r in range(3):
+        assert_close_to(a.last_weights[r], tanh_row(r, batch, sig, 0.40))
+    a, _, _, _ = run_tanh(batch, sig, normalisation="none", scale="absolute", d_scale=0.2)
+    for r in range(3):
+        assert_close_to(a.last_weights[r], tanh_row(r, batch, sig, 0.2))
+    a, _, _, _ = run_tanh(batch, sig, normalisation="none", beta=2.0)
+    assert_close_to(a.last_weights[1], tanh_row(1, batch, sig, 0.35, beta=2.0))
+    a, _, _, _ = run_tanh(batch, sig, normalisation="none", modulation="tanh_unsigned")
+    assert_close_to(a.last_weights[1], tanh_row(1, batch, sig, 0.35, sign=1.0))  # A < 0 gets the A > 0 form
+    # a group scale is a property of the group: the same group alone gives the same weights (rank-split invariance)
+    g0 = torch.tensor([0, 1])
+    b, _, _, _ = run_tanh(batch.select(g0), {k: v[g0] for k, v in sig.items()}, ADV_C[g0])
+    full, _, _, _ = run_tanh(batch, sig)
+    assert_close_to(b.last_weights, full.last_weights[g0])
+    with pytest.raises(ValueError, match="scale"):
+        credit.build("gear", {"scale": "token"})
+    with pytest.raises(ValueError, match="d_scale"):
+        credit.build("gear", {"d_scale": 0.0})
+
+
+def test_clip_fraction_on_heavy_tailed_divergences():
+    """The audit's finding and its fix: on exponential, lognormal and uniform divergences the first reconstruction's
+    clip binds for ≥ 90% of segments; the default's weights stay off the bounds (≤ 10%, logged as gear_clip_frac)."""
+    gen = torch.Generator().manual_seed(0)
+    B, n = 64, 48
+    batch = RolloutBatch(prompt_ids=torch.ones(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
+                         response_ids=torch.ones(B, n, dtype=torch.long), response_mask=torch.ones(B, n, dtype=torch.bool),
+                         group_ids=torch.arange(B) // 8, rewards=(torch.arange(B) % 3 == 0).float())
+    from gearlab.core.grpo import group_advantages
+
+    adv = group_advantages(batch.rewards, batch.group_ids)
+    H = torch.rand(B, n, generator=gen)
+    for d in (torch.empty(B, n).exponential_(5.0, generator=gen), torch.exp(torch.randn(B, n, generator=gen) - 2.0),
+              torch.rand(B, n, generator=gen) * 0.5):
+        sig = {Signal.TEACHER_KL: d, Signal.ENTROPY: H, Signal.REASONING_MASK: torch.ones(B, n)}
+        new = credit.build("gear").assign(batch, adv, sig).metrics
+        old = v1().assign(batch, adv, sig).metrics
+        assert new["segments_per_seq"] > 1 and new["gear_clip_frac"] <= 0.10 and old["gear_clip_frac"] >= 0.90

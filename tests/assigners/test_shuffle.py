@@ -56,7 +56,8 @@ def test_the_permutation_is_the_documented_one():
 
 
 def test_same_row_same_permutation_wherever_it_sits():
-    s = credit.build("shuffle", {"of": "gear"})
+    # gear's default scale is the group's: an absolute one makes each row's inner credit independent of the others
+    s = credit.build("shuffle", {"of": "gear", "of_options": {"scale": "absolute"}})
     b, adv, sig = _inputs(1)
     out = s.assign(b, adv, sig)
     idx = torch.tensor([7, 2, 11, 0, 5])
@@ -130,7 +131,7 @@ def test_forwards_needs_promises_teacher_and_hooks():
     s = credit.build("shuffle", {"of": "gear", "of_options": {"normalisation": "group", "teacher_mode": "ema",
                                                                "divergence": "sampled"}})
     assert s.preserves_sign and not s.preserves_mass and s.teacher_mode == "ema"
-    assert s.needs == {Signal.LOGPROBS, Signal.TEACHER_LOGPROBS, Signal.ENTROPY}
+    assert s.needs == {Signal.LOGPROBS, Signal.TEACHER_LOGPROBS, Signal.ENTROPY, Signal.REASONING_MASK}
     r = credit.build("shuffle", {"of": "rlsd", "of_options": "teacher_sync_every=3,lam=0.25"})
     assert (r.teacher_mode, r.teacher_sync_every, r.teacher_context, r.inner.lam) == ("frozen", 3, "answer", 0.25)
     assert r.preserves_sign and not r.preserves_mass

@@ -111,3 +111,42 @@ def test_score_batch_reads_onsets_from_segments():
     # the teacher's surprise (−log π_T) spikes on the wrong step: (1 + 0.5) / 2 over prefix [0, 1, 2]
     assert out["signals"]["teacher_surprise"]["auroc"] == pytest.approx(0.75)
     assert not math.isnan(out["assigners"]["gear"]["auroc"])
+
+
+def test_reasoning_errors_leave_out_wrong_final_answers(tokenizer):
+    """The second table: a wrong final answer after a correct chain is located (at the answer line) but is not a
+    reasoning error; only the rows whose first error starts before the final-answer span are scored there."""
+    from gearlab.commands.credit_eval import reasoning_error_scores, score_batch
+    from gearlab.signals.spans import locate_errors
+
+    task = get_task("arith")
+    problem = task.make_problem([3, 4, 2], ["+", "*"])
+    texts = COMPLETIONS + ["3+4=7\n7*2=14\nAnswer: 15"]  # row 4: the chain is right, the answer is not
+    eos = tokenizer.eos_token_id
+    seqs = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for c in texts]
+    G, T = len(texts), max(map(len, seqs))
+    resp = torch.full((G, T), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(G, T, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        resp[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = True
+    rewards = torch.tensor([task.reward(problem, t) for t in texts])
+    rb = RolloutBatch(prompt_ids=torch.ones(G, 2, dtype=torch.long), prompt_mask=torch.ones(G, 2, dtype=torch.long),
+                      response_ids=resp, response_mask=mask, group_ids=torch.zeros(G, dtype=torch.long), rewards=rewards,
+                      meta={"answers": [problem.answer] * G, "texts": texts})
+    error, _ = locate_errors(task, tokenizer, rb, [problem] * G)
+    assert error.any(dim=1).tolist() == [False, True, False, True, True]
+    from gearlab.core.grpo import group_advantages
+
+    seq_adv = group_advantages(rewards, rb.group_ids)
+    blame_answer = torch.zeros(G, T)  # a method that blames only row 4's error tokens, GRPO elsewhere
+    blame_answer[mask] = 1.0
+    blame_answer = blame_answer * seq_adv[:, None]
+    blame_answer[4] = torch.where(error[4], 3.0 * seq_adv[4], 0.5 * seq_adv[4]) * mask[4]
+    res = {"seq_adv": seq_adv, "credit": {"grpo": seq_adv[:, None] * mask, "answer": blame_answer}, "segments": {},
+           "signals": {}}
+    full = score_batch(rb, ["grpo", "answer"], res, error)
+    early = reasoning_error_scores(rb, ["grpo", "answer"], res, error, tokenizer)
+    assert full["assigners"]["grpo"]["n"] == 3 and full["assigners"]["answer"]["auroc"] > 0.5
+    assert early["n_located"] == 2 and early["n_located_informative"] == 2
+    assert early["assigners"]["grpo"]["n"] == 2 and early["assigners"]["answer"]["auroc"] == 0.5  # row 4 left out
