@@ -36,7 +36,7 @@ def _row_quantile(values: Tensor, mask: Tensor, q: float) -> Tensor:
     return torch.where(n > 0, tau, torch.zeros_like(tau))
 
 
-def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.5, beta: float = 1.0,
+def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.25, beta: float = 1.0,
                     floor: float = 0.1, sum_to_L: bool = True) -> Tensor:
     """Bi-level reshaping weights (docs/credit/oar.md#bi-level-reshaping) [B, T] float32; 1.0 outside the reasoning span.
 
@@ -71,9 +71,10 @@ def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.5,
 
 @dataclass
 class OAROptions:
-    """Options shared by OAR-G and OAR-P (docs/credit/oar.md#options)."""
+    """Options shared by OAR-G and OAR-P (docs/credit/oar.md#options). Defaults are the released README's
+    (q = 0.25, beta = 1.0; pfinal_mode per method); gearlab's earlier q = 0.5 / "last" stay reachable as options."""
 
-    q: float = option(0.5, "quantile level of the per-sequence saliency threshold", lo=0.0, hi=1.0)
+    q: float = option(0.25, "quantile level of the per-sequence saliency threshold", lo=0.0, hi=1.0)
     beta: float = option(1.0, "strength of the bi-level reshaping", lo=0.0)
     floor: float = option(0.1, "smallest weight of a low-saliency reasoning token", lo=0.0)
     sum_to_L: bool = option(True, "rescale reasoning weights to sum to the reasoning length (mass preserving)")
@@ -83,6 +84,8 @@ class OAROptions:
 
 @dataclass
 class OARGOptions(OAROptions):
+    # the released default of OAR-G (OAR-P keeps "last")
+    pfinal_mode: str = option("answer_mean", "which answer-token probability the saliency follows", choices=PFINAL_MODES)
     saliency_noise: float = option(1e-3, "embedding noise of the input-gradient saliency (> 0: at 0 the gradient vanishes)",
                                    lo=0.0, lo_open=True)
 
@@ -91,6 +94,8 @@ class OARGOptions(OAROptions):
 class OARPOptions(OAROptions):
     perturb_stride: int = option(1, "perturb every k-th reasoning position", lo=1)
     perturb_max_positions: int = option(64, "at most this many perturbed copies per response (0 = no cap)", lo=0)
+    perturb_kv_share: bool = option(False, "score each perturbed copy from the clean KV cache of its unchanged prefix "
+                                           "(same values up to rounding; faster on a CPU, slower on an H100)")
 
 
 class _OARBase(CreditAssigner):
@@ -152,4 +157,4 @@ class OARPAssigner(_OARBase):
 
     def signal_options(self) -> dict[str, Any]:
         return {**super().signal_options(), "perturb_stride": self.perturb_stride,
-                "perturb_max_positions": self.perturb_max_positions}
+                "perturb_max_positions": self.perturb_max_positions, "perturb_kv_share": self.perturb_kv_share}

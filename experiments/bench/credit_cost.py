@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from gearlab import credit  # noqa: E402
 from gearlab.core.batch import RolloutBatch  # noqa: E402
 from gearlab.core.grpo import group_advantages, policy_loss  # noqa: E402
-from gearlab.commands.inspect import assigner_options  # noqa: E402
+from gearlab.credit.methods import build_method  # noqa: E402
 from gearlab.core.logprobs import response_hidden, token_logprobs  # noqa: E402
 from gearlab.signals.provider import SignalProvider  # noqa: E402
 
@@ -164,7 +164,7 @@ def main() -> None:
     rows = []
     names = args.assigners or credit.available()
     for name in names:
-        a = credit.build(name, assigner_options(name))
+        a = build_method(name)  # a name, a variant or a grid point (oar_p:perturb_kv_share=false)
         if a.requires_turns:  # no signals; time assign on a synthetic multi-turn batch of the same size
             from gearlab.credit.contract import random_batch
 

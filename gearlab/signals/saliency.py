@@ -1,7 +1,8 @@
-"""Model-based saliency signals of OAR (docs/credit/oar.md#saliency-signals).
+"""Model-based saliency signals of OAR (docs/credit/oar.md#saliency-signals): the shared pieces and OAR-G.
 
-Both signals score every **reasoning** token (gearlab.signals.spans) by how much it matters for the
-model's outcome distribution p_final, and are 0 elsewhere; both are [B, T] float32 ≥ 0.
+Both signals (OAR-G here, OAR-P in gearlab.signals.perturbation) score every **reasoning** token
+(gearlab.signals.spans) by how much it matters for the model's outcome distribution p_final, and are
+0 elsewhere; both are [B, T] float32 ≥ 0.
 
 Outcome distribution (option ``pfinal_mode``; logits divided by the sampling temperature [INF]):
 
@@ -30,20 +31,11 @@ terms), the reference code runs one at a time. Noise is deterministic: row i's n
 ``torch.Generator`` seeded with (option ``seed``, i) and covers its reasoning tokens in order, so it
 does not depend on padding, micro-batching or the batch's T [PROPOSED].
 
-OAR-P (``PERTURBATION_SALIENCY``) [SRC; docs/credit/oar.md#oar-p-counterfactual-masking]: for each reasoning position j a copy of the sequence
-with y_j replaced by the pad token; s_j = KL(p_final ‖ p_final^(−j)) (φ − φ^(−j) for answer_joint,
-clamped at 0 [PROPOSED]: a token whose removal makes the answer MORE likely gets no importance).
-The replaced position stays attended (attention mask 1, positions unchanged): the source inserts
-the pad id into the token list and runs it as an ordinary token [INF]. Copies (from all rows) are
-batched ``micro_batch_size`` at a time, each cut after the last position p_final needs and with its
-own left padding removed (re-padded per chunk). Long reasoning [PROPOSED]: only every ``stride``-th
-reasoning token (and the last one) is perturbed, stride = max(``perturb_stride``,
-ceil(n / ``perturb_max_positions``)); skipped tokens get values linearly interpolated, over the
-reasoning-token index, between their computed neighbours.
+OAR-P (``PERTURBATION_SALIENCY``): gearlab.signals.perturbation (counterfactual masking; it uses the
+outcome statistic, targets and reasoning span defined here).
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -60,10 +52,7 @@ __all__ = [
     "PFINAL_MODES",
     "ANCHORS",
     "input_grad_saliency",
-    "perturbation_saliency",
     "reasoning_noise",
-    "perturb_indices",
-    "interpolate_skipped",
 ]
 
 PFINAL_MODES = ("last", "answer_mean", "answer_joint")
@@ -258,99 +247,4 @@ def input_grad_saliency(ctx: SignalContext) -> Tensor:
             acc = torch.promote_types(e.dtype, torch.float32)  # at least fp32 for the dot product
             sal = (g.to(acc) * e.to(acc)).sum(-1).abs()[:, P:L].float()  # [n, L-P]
             out[idx, : L - P] = sal * reason.float()
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# OAR-P
-# --------------------------------------------------------------------------------------------
-def perturb_indices(n: int, stride: int = 1, max_positions: int = 64) -> list[int]:
-    """Reasoning-token indices (0..n−1) to perturb: every ``stride``-th with stride raised to
-    ceil(n / max_positions) (``max_positions`` ≤ 0: no cap), always including the last one."""
-    if n <= 0:
-        return []
-    st = max(1, int(stride))
-    if max_positions and max_positions > 0:
-        st = max(st, math.ceil(n / max_positions))
-    idx = list(range(0, n, st))
-    if idx[-1] != n - 1:
-        idx.append(n - 1)
-    return idx
-
-
-def interpolate_skipped(computed_idx: list[int], values: Tensor, n: int) -> Tensor:
-    """Linear interpolation over 0..n−1 of ``values`` known at sorted ``computed_idx`` (which include 0 and n−1)."""
-    xs = torch.tensor(computed_idx, dtype=torch.float64)
-    ys = values.to(torch.float64)
-    if len(computed_idx) == n:
-        return values.float()
-    k = torch.arange(n, dtype=torch.float64)
-    hi = torch.searchsorted(xs, k).clamp(1, len(xs) - 1)
-    lo = hi - 1
-    t = (k - xs[lo]) / (xs[hi] - xs[lo])
-    return (ys[lo] + t * (ys[hi] - ys[lo])).float()
-
-
-@register_signal(Signal.PERTURBATION_SALIENCY, fake="nonneg")
-def perturbation_saliency(ctx: SignalContext) -> Tensor:
-    """OAR-P saliency [B, T] float32 (see the module docstring)."""
-    mode, anchor = _options(ctx)
-    stride = int(ctx.options.get("perturb_stride", 1))
-    max_pos = int(ctx.options.get("perturb_max_positions", 64) or 0)
-    b, model, tok = ctx.batch, ctx.model, ctx.tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    plan = _plan(ctx, mode, anchor)
-    B, T = b.response_ids.shape
-    dev = b.response_ids.device
-    out = torch.zeros(B, T, dtype=torch.float32, device=dev)
-    outcome = _Outcome(mode, model.get_output_embeddings(), ctx.temperature)
-
-    # each valid row as an unpadded sequence, cut after the last position p_final needs
-    seqs: dict[int, Tensor] = {}
-    offsets: dict[int, int] = {}
-    rpos: dict[int, Tensor] = {}  # response indices of the reasoning tokens
-    chosen: dict[int, list[int]] = {}
-    for i in range(B):
-        if not plan.valid[i]:
-            continue
-        prompt = b.prompt_ids[i][b.prompt_mask[i].bool()]
-        seqs[i] = torch.cat([prompt, b.response_ids[i, : plan.targets[i][-1]]])
-        offsets[i] = prompt.numel()
-        rpos[i] = plan.reasoning[i].nonzero().flatten()
-        chosen[i] = perturb_indices(rpos[i].numel(), stride, max_pos)
-    if not seqs:
-        return out
-    # jobs: (row, reasoning index k or −1 for the clean sequence); clean ones first
-    jobs = [(i, -1) for i in seqs] + [(i, k) for i in seqs for k in chosen[i]]
-    mbs = max(1, int(ctx.micro_batch_size))
-    clean: dict[int, Tensor] = {}
-    effects: dict[int, list[Tensor]] = {i: [] for i in seqs}
-    with torch.no_grad():
-        for s in range(0, len(jobs), mbs):
-            chunk = jobs[s : s + mbs]
-            Lmax = max(seqs[i].numel() for i, _ in chunk)
-            ids = torch.full((len(chunk), Lmax), pad_id, dtype=torch.long, device=dev)
-            mask = torch.zeros(len(chunk), Lmax, dtype=torch.long, device=dev)
-            for r, (i, k) in enumerate(chunk):
-                sq = seqs[i].clone()
-                if k >= 0:
-                    sq[offsets[i] + int(rpos[i][k])] = pad_id  # still attended [INF]
-                ids[r, Lmax - sq.numel():] = sq
-                mask[r, Lmax - sq.numel():] = 1
-            rows = [i for i, _ in chunk]
-            tpos, tvalid, K = _target_tensors(plan, rows, [Lmax - seqs[i].numel() + offsets[i] for i in rows], dev)
-            ttok = torch.zeros_like(tpos)
-            for r, i in enumerate(rows):
-                ttok[r, : len(plan.targets[i])] = b.response_ids[i, plan.targets[i]]
-            hidden = _last_hidden(model, input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
-            stat = outcome(hidden, tpos, ttok, tvalid)
-            for r, (i, k) in enumerate(chunk):
-                if k < 0:
-                    clean[i] = stat[r]
-                else:
-                    effects[i].append(outcome.effect(clean[i], stat[r]))
-    for i in seqs:
-        vals = torch.stack(effects[i]).float().clamp(min=0.0)
-        full = interpolate_skipped(chosen[i], vals.cpu(), rpos[i].numel())
-        out[i, rpos[i].to(dev)] = full.to(dev)
     return out

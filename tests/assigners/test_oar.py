@@ -114,10 +114,36 @@ def test_options_from_yaml_and_signal_options():
     g = yaml.safe_load((root / "oar_g.yaml").read_text())
     p = yaml.safe_load((root / "oar_p.yaml").read_text())
     ag, ap = credit.build(g["name"], g["options"]), credit.build(p["name"], p["options"])
-    assert ag.signal_options() == {"pfinal_mode": "last", "answer_anchor": "value", "saliency_noise": 1e-3}
+    assert ag.signal_options() == {"pfinal_mode": "answer_mean", "answer_anchor": "value", "saliency_noise": 1e-3}
     assert ap.signal_options() == {"pfinal_mode": "last", "answer_anchor": "value",
-                                   "perturb_stride": 1, "perturb_max_positions": 64}
+                                   "perturb_stride": 1, "perturb_max_positions": 64, "perturb_kv_share": False}
+    assert credit.build("oar_p", {"perturb_kv_share": True}).signal_options()["perturb_kv_share"] is True
     with pytest.raises(ValueError):
         credit.build("oar_g", {"pfinal_mode": "nope"})
     with pytest.raises(ValueError):
         credit.build("oar_p", {"saliency_noise": 1e-3})
+
+
+@pytest.mark.parametrize("name,pfinal_mode", [("oar_g", "answer_mean"), ("oar_p", "last")])
+def test_defaults_are_the_released_ones_and_the_old_ones_stay_reachable(name, pfinal_mode):
+    """Defaults = the authors' released README (q 0.25, beta 1.0; answer_mean for OAR-G, last for OAR-P); gearlab's
+    earlier defaults (q 0.5, last for both) through the label NAME:q=0.5,pfinal_mode=last or the NAME_legacy variant."""
+    from gearlab.credit.methods import build_method, method_spec
+
+    a = credit.build(name)
+    assert (a.q, a.beta, a.floor, a.sum_to_L, a.pfinal_mode, a.answer_anchor) == (0.25, 1.0, 0.1, True, pfinal_mode, "value")
+    assert build_method(name).q == 0.25 and build_method(name).pfinal_mode == pfinal_mode  # the YAML sets none
+    for label in (f"{name}:q=0.5,pfinal_mode=last", f"{name}_legacy"):
+        old = build_method(label)
+        assert type(old) is type(a) and old.q == 0.5 and old.pfinal_mode == "last" and old.beta == 1.0
+    assert method_spec(f"{name}_legacy").base == name
+    # the assigner's weights follow q: τ is the 0.25-quantile by default
+    s = _sal([0.0, 1.0, 2.0, 3.0])
+    m = torch.ones(1, 4, dtype=torch.bool)
+    b = RolloutBatch(prompt_ids=torch.ones(1, 2, dtype=torch.long), prompt_mask=torch.ones(1, 2, dtype=torch.long),
+                     response_ids=torch.ones(1, 4, dtype=torch.long), response_mask=m,
+                     group_ids=torch.zeros(1, dtype=torch.long), rewards=torch.zeros(1))
+    sig = a.needs - {Signal.REASONING_MASK}
+    for obj, q in ((a, 0.25), (build_method(f"{name}_legacy"), 0.5)):
+        out = obj.assign(b, torch.tensor([1.0]), {**{k: s for k in sig}, Signal.REASONING_MASK: m.float()}).token_advantages
+        torch.testing.assert_close(out, bilevel_weights(s, m, q=q))

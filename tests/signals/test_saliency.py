@@ -1,4 +1,4 @@
-"""OAR signals: the reasoning / answer split and the OAR-G / OAR-P saliencies on the tiny model."""
+"""OAR signals: the reasoning / answer split and the OAR-G saliency on the tiny model (OAR-P: test_perturbation.py)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from gearlab.core.batch import RolloutBatch
 from gearlab.credit import Signal
-from gearlab.signals.saliency import input_grad_saliency, interpolate_skipped, perturb_indices, perturbation_saliency, reasoning_noise
+from gearlab.signals.saliency import input_grad_saliency, reasoning_noise
 from gearlab.signals.registry import SignalContext
 from gearlab.signals.provider import SignalProvider
 from gearlab.signals.spans import answer_positions, response_segments
@@ -164,67 +164,7 @@ def test_oar_g_micro_batching_and_left_padding_do_not_matter(tokenizer, tiny_mod
     torch.testing.assert_close(s_big[0, :n], s_one[0], rtol=1e-3, atol=1e-10)
 
 
-# ---------------------------------------------------------------------------------------------- OAR-P
-def _ref_perturbation(model, tok, b, row):
-    """One copy at a time, unpadded, full logits (pfinal_mode=last)."""
-    seg = response_segments(tok, b.response_ids, b.response_mask)
-    a = int(seg.value[row].nonzero()[0])
-    prompt = b.prompt_ids[row][b.prompt_mask[row].bool()]
-    ids = torch.cat([prompt, b.response_ids[row, :a]])
-    rpos = seg.reasoning[row].nonzero().flatten()
-    with torch.no_grad():
-        lp0 = F.log_softmax(model(ids[None]).logits[0, -1].double(), -1)
-        out = []
-        for j in rpos.tolist():
-            x = ids.clone()
-            x[prompt.numel() + j] = tok.pad_token_id
-            lp = F.log_softmax(model(x[None]).logits[0, -1].double(), -1)
-            out.append((lp0.exp() * (lp0 - lp)).sum())
-    return rpos, torch.stack(out)
-
-
-def test_oar_p_matches_reference_batched_and_one_by_one(tokenizer, tiny_model_factory):
-    model = tiny_model_factory(3)
-    b = _make_batch(tokenizer, PROMPTS, SOL, extra_pad=3)
-    full = perturbation_saliency(_ctx(model, tokenizer, b, mbs=16, perturb_max_positions=0))
-    single = perturbation_saliency(_ctx(model, tokenizer, b, mbs=1, perturb_max_positions=0))
-    torch.testing.assert_close(full, single, rtol=2e-3, atol=1e-9)
-    reasoning, _ = answer_positions(tokenizer, b.response_ids, b.response_mask)
-    assert (full[~reasoning] == 0).all() and (full[reasoning] > 0).all()
-    for row in range(2):
-        rpos, ref = _ref_perturbation(model, tokenizer, b, row)
-        torch.testing.assert_close(full[row, rpos].double(), ref, rtol=2e-3, atol=1e-9)
-    # left padding: row 0 alone with an unpadded prompt gives the same values
-    one = _make_batch(tokenizer, PROMPTS[:1], SOL[:1])
-    s_one = perturbation_saliency(_ctx(model, tokenizer, one, mbs=16, perturb_max_positions=0))
-    torch.testing.assert_close(full[0, : one.response_len], s_one[0], rtol=2e-3, atol=1e-9)
-    for mode in ("answer_mean", "answer_joint"):
-        s = perturbation_saliency(_ctx(model, tokenizer, b, pfinal_mode=mode))
-        assert (s[~reasoning] == 0).all() and (s >= 0).all() and (s[reasoning] > 0).any()
-
-
-def test_oar_p_stride_and_interpolation(tokenizer, tiny_model_factory):
-    model = tiny_model_factory(4)
-    b = _make_batch(tokenizer, PROMPTS, SOL)
-    full = perturbation_saliency(_ctx(model, tokenizer, b, perturb_stride=1, perturb_max_positions=0))
-    dflt = perturbation_saliency(_ctx(model, tokenizer, b))  # cap 64 > 15 reasoning tokens → stride 1
-    torch.testing.assert_close(dflt, full, rtol=1e-6, atol=0)
-    assert perturb_indices(15, 1, 64) == list(range(15))
-    assert perturb_indices(15, 4, 0) == [0, 4, 8, 12, 14]
-    assert perturb_indices(15, 1, 5) == [0, 3, 6, 9, 12, 14]  # stride = ceil(15/5) = 3, last always kept
-    strided = perturbation_saliency(_ctx(model, tokenizer, b, perturb_stride=4, perturb_max_positions=0))
-    reasoning, _ = answer_positions(tokenizer, b.response_ids, b.response_mask)
-    for row in range(2):
-        rpos = reasoning[row].nonzero().flatten()
-        idx = perturb_indices(rpos.numel(), 4, 0)
-        got = strided[row, rpos]
-        torch.testing.assert_close(got[idx], full[row, rpos][idx], rtol=2e-3, atol=1e-9)  # computed exactly
-        torch.testing.assert_close(got, interpolate_skipped(idx, full[row, rpos][idx], rpos.numel()), rtol=2e-3, atol=1e-9)
-    # interpolation itself: values 0 at k=0, 4 at k=4 → k=1..3 get 1, 2, 3
-    torch.testing.assert_close(interpolate_skipped([0, 4, 5], torch.tensor([0.0, 4.0, 2.0]), 6),
-                               torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 2.0]))
-
-
+# ---------------------------------------------------------------------------------------------- both
 def test_signals_through_the_provider_and_assigners(tokenizer, tiny_model_factory):
     from gearlab import credit
 
