@@ -177,6 +177,8 @@ class WarmstartConfig:
     # intra-op CPU threads during the warm start, fixed rather than taken from the machine: the tiny model's SFT
     # is sensitive to float reduction order (seed 0: 20.0% held-out greedy accuracy with 2 threads, 42.5% with 1)
     threads: int = 2
+    device: str = "cpu"  # cpu | cuda | auto (cuda when available); the CPU figures in the README are for cpu
+    bf16: bool = False  # bf16 autocast (worth it on a GPU with the small size)
 
 
 @dataclass
@@ -383,6 +385,7 @@ _CHOICES = {
     "rollout.vllm.sleep": ("auto", "on", "off"),
     "rollout.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "trainer.strategy": ("auto", "ddp", "fsdp2", "fsdp1"),
+    "warmstart.device": ("cpu", "cuda", "auto"),
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "rollout.batch_size",
              "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.micro_batch_size",

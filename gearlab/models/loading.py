@@ -17,11 +17,13 @@ from gearlab.tasks.registry import task_from_config
 log = logging.getLogger("gearlab")
 
 
-EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-tool", "embedded:tiny-random", "embedded:smollm2-135m")
+EMBEDDED = ("embedded:tiny-arith", "embedded:tiny-tool", "embedded:small-arith", "embedded:tiny-random",
+            "embedded:smollm2-135m")
 
 
 # embedded models warm-started on the configured task on first use (tiny-tool: for multi-turn tool tasks)
-WARMSTARTED = ("embedded:tiny-arith", "embedded:tiny-tool")
+# small-arith: the same recipe with the 26M-parameter "small" size (gearlab.models.tiny.MODEL_SIZES), for a GPU
+WARMSTARTED = ("embedded:tiny-arith", "embedded:tiny-tool", "embedded:small-arith")
 
 
 def embedded_dir(cfg: Config, name: str) -> Path:
@@ -92,6 +94,7 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
 
 def run_warmstart(cfg: Config) -> dict[str, Any]:
     """Warm-start the embedded tiny model on the configured task (``gearlab warmstart``)."""
+    from gearlab.models.tiny import MODEL_SIZES
     from gearlab.models.warmstart import warmstart
 
     task = task_from_config(cfg)
@@ -102,8 +105,10 @@ def run_warmstart(cfg: Config) -> dict[str, Any]:
     if w.threads > 0:
         torch.set_num_threads(w.threads)
     try:
+        size = ref.split(":", 1)[1].split("-", 1)[0]  # embedded:<size>-<task kind>
         return warmstart(out, task=task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.trainer.seed,
-                         max_minutes=w.max_minutes)
+                         max_minutes=w.max_minutes, model_kwargs=MODEL_SIZES[size], device=w.device, bf16=w.bf16,
+                         eval_max_new_tokens=48 if size == "tiny" else cfg.rollout.max_new_tokens)
     finally:
         torch.set_num_threads(threads)
 

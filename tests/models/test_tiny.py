@@ -70,6 +70,14 @@ def test_default_model_size():
     assert 0.5e6 < n < 5e6
 
 
+def test_named_model_sizes():
+    from gearlab.models.tiny import MODEL_SIZES
+
+    assert MODEL_SIZES["tiny"] == {}
+    n = sum(p.numel() for p in build_tiny_model(build_tokenizer(), **MODEL_SIZES["small"]).parameters())
+    assert n == 25_338_880  # the figure docs and the arith_long_gpu preset quote
+
+
 def test_sft_masks_prompt_tokens():
     from gearlab.models.warmstart import collate_sft, encode_sft_example
 
@@ -99,5 +107,5 @@ def test_mini_warmstart_lowers_loss(tmp_path):
     for key in ("acc_plain_greedy", "acc_plain_sampled", "acc_privileged_greedy"):
         assert 0.0 <= res[key] <= 1.0
     saved = json.loads((tmp_path / "ws" / "warmstart.json").read_text())
-    assert saved["steps"] == 20 and saved["loss_last"] == res["loss_last"]
+    assert saved["steps"] == 20 and saved["loss_last"] == res["loss_last"] and saved["device"] == "cpu"
     assert (tmp_path / "ws" / "config.json").exists() and (tmp_path / "ws" / "tokenizer.json").exists()

@@ -82,6 +82,7 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
     (["assigner=no_such_method"], "unknown credit assigner 'no_such_method'; known: "),
     (["task=no_such_task"], "no task named"),
     (["assigner.options.bogus=1"], "assigner 'grpo'"),
+    (["warmstart.device=tpu"], "key 'warmstart.device': 'tpu' is not one of cpu, cuda, auto"),
 ])
 def test_bad_config_is_one_line_exit_2(tmp_path, bad, needle):
     out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", f"trainer.output_dir={tmp_path}", *bad],
