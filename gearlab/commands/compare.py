@@ -113,6 +113,9 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
             print(f"[compare] warm-starting the embedded model into {d}", flush=True)
             run_warmstart(cfg)
         model_path = str(d.resolve())
+    from gearlab.models.checkpoints import weights_digest
+
+    start_digest = weights_digest(model_path)
     client = mlflow.MlflowClient(tracking_uri(cfg))
     exp_id = ensure_experiment(tracking_uri(cfg), experiment_name(cfg), client)
     parent, done = find_runs(client, exp_id, cfg.compare.name)
@@ -121,12 +124,17 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
             "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
             "assigners": ",".join(names), "methods_json": json.dumps(names), "seeds": ",".join(map(str, cfg.compare.seeds)),
             "baseline": cfg.compare.baseline, "primary_metric": primary_metric(cfg), "effect": str(cfg.compare.effect),
-            **version_tags()})
+            **({"start_sha256": start_digest} if start_digest else {}), **version_tags()})
         params = {k: str(v)[:6000] for k, v in flatten(cfg).items() if not k.startswith("assigner.")}
         for k, v in params.items():
             client.log_param(parent.info.run_id, k, v)
         client.log_text(parent.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
     else:
+        before = parent.data.tags.get("start_sha256")
+        if before and start_digest and before != start_digest:  # e.g. a warm start redone on another machine
+            raise ConfigError(f"key 'model.name_or_path': the starting weights {model_path} (sha256 {start_digest[:12]}) "
+                              f"are not those comparison {cfg.compare.name!r} started from (sha256 {before[:12]}); "
+                              f"restore that model or give a new compare.name")
         client.update_run(parent.info.run_id, status="RUNNING")
         record_versions(client, parent.info.run_id)  # a changed version is kept as "old -> new"
     pid = parent.info.run_id

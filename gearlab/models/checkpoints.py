@@ -2,6 +2,7 @@
 checkpoint directory."""
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from pathlib import Path
 
@@ -30,3 +31,19 @@ def policy_state_from_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     if not policy:
         raise ConfigError(f"{path}: no policy weights in this checkpoint (is it a gearlab training checkpoint?)")
     return policy
+
+
+def weights_digest(model_dir: str | Path) -> str | None:
+    """sha256 over the bytes of a Hugging Face folder's weight files (``*.safetensors``, else ``*.bin``, in name
+    order); None for a folder without them (or a hub id). Two folders with the same digest hold the same weights
+    bit for bit: what the runs of one comparison must share."""
+    d = Path(model_dir)
+    files = sorted(d.glob("*.safetensors")) or sorted(d.glob("*.bin")) if d.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()

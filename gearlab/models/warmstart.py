@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -238,6 +239,10 @@ def warmstart(
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+    if dev.type == "cuda":  # deterministic kernels: the same start on every machine of one kind (compare checks it)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        was_deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model.to(dev)
 
     # One stream of train problems for the whole run, deterministic in `seed`.
@@ -285,6 +290,8 @@ def warmstart(
                 flush=True,
             )
     steps_done = len(losses)
+    if dev.type == "cuda":
+        torch.use_deterministic_algorithms(was_deterministic)
     train_seconds = time.perf_counter() - t_train
 
     result: dict[str, Any] = {
@@ -328,6 +335,9 @@ def warmstart(
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        from gearlab.models.checkpoints import weights_digest
+
+        result["weights_sha256"] = weights_digest(out)
         (out / "warmstart.json").write_text(json.dumps(result, indent=2) + "\n")
     if verbose:
         print("[warmstart] " + json.dumps({k: v for k, v in result.items() if k != "task_repr"}), flush=True)

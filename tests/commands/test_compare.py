@@ -67,6 +67,16 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
     # re-running skips every finished child
     out2, _ = _run(tmp_path, tiny_model_dir, "pair", "[grpo,entropy_adv]", "[0,1]")
     assert "4 already finished, 0 to run" in capsys.readouterr().out
+    # the shared start is pinned by its digest: resuming from other weights (a warm start redone elsewhere) is refused
+    from gearlab.config import ConfigError
+    from gearlab.models.checkpoints import weights_digest
+    from gearlab.models.tiny import make_tiny
+
+    assert parent.data.tags["start_sha256"] == weights_digest(tiny_model_dir)
+    other = make_tiny(tmp_path / "other", seed=1)
+    assert weights_digest(other) != weights_digest(tiny_model_dir) and weights_digest(tmp_path) is None
+    with pytest.raises(ConfigError, match="key 'model.name_or_path': the starting weights .* are not those comparison 'pair'"):
+        _run(tmp_path, other, "pair", "[grpo,entropy_adv]", "[0,1]")
 
 
 def test_same_seed_same_metrics(tmp_path, tiny_model_dir):

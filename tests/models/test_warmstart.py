@@ -39,7 +39,8 @@ def test_embedded_warmstart_stays_in_a_readme_band(tmp_path):
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "embedded" / "tiny-arith" / "warmstart.json").read_text())
-    assert res["threads"] == 2 and res["steps"] == 450 and res["n_eval"] == 200
+    assert res["threads"] == 2 and res["steps"] == 450 and res["n_eval"] == 200 and res["device"] == "cpu"
+    assert len(res["weights_sha256"]) == 64  # what `gearlab compare` pins the shared start with
     acc = 100 * res["acc_plain_greedy"]
     assert min(abs(acc - f) for f in README_GREEDY) <= BAND, (
         f"seed-0 warm start reached {acc:.1f}% held-out greedy accuracy; the README states {README_GREEDY} "
