@@ -8,7 +8,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARN
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-WS_STEPS=${1:-600}; LRS=${2:-1e-5}; ITERS=${3:-30}; W=/tmp/calib
+WS_STEPS=${1:-600}; LRS=${2:-1e-5}; ITERS=${3:-30}; W=$(mktemp -d)
 for s in $WS_STEPS; do
   /usr/bin/time -f "warmstart $s steps: %e s" gearlab warmstart experiment=arith_long_gpu warmstart.steps=$s \
     trainer.output_dir=$W/ws$s > "$OUT/ws$s.log" 2>&1; tail -1 "$OUT/ws$s.log"
@@ -32,7 +32,8 @@ for db in sorted(glob.glob(f"{w}/tr*/mlflow.db")):
         for r in c.search_runs([e.experiment_id]):
             h = {k: [(m.step, round(m.value, 4)) for m in c.get_metric_history(r.info.run_id, k)]
                  for k in ("eval/avg@4", "eval/greedy_accuracy", "train/reward", "time/rollout_s", "time/update_s", "train/response_len")}
-            rows[db] = h
-            print(db, json.dumps({k: (v if k.startswith("eval") else v[::5]) for k, v in h.items()}))
+            label = "grpo lr=" + db.split("/tr")[-1].split("/")[0]
+            rows[label] = h
+            print(label, json.dumps({k: (v if k.startswith("eval") else v[::5]) for k, v in h.items()}))
 json.dump(rows, open(f"{out}/calibration.json", "w"), indent=1)
 PY

@@ -184,12 +184,6 @@ def _cache_keyword(model: nn.Module) -> str | None:
     return next((k for k in ("cache", "past_key_values") if k in params), None)
 
 
-def _cached_hidden(model: nn.Module, keyword: str, cache, **kw) -> Tensor:
-    """Last hidden states [n, L, H] of the decoder run with ``cache`` (filled by / read by the forward)."""
-    out = _base(model)(**kw, use_cache=True, **{keyword: cache})
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-
 def _clean_kv(cache, n: int, L: int) -> list[tuple[Tensor, Tensor]] | None:
     """Per layer (keys, values) [n, h, L, d] of a filled clean cache; None unless it is one plain
     ``DynamicLayer`` per layer holding all L positions."""
@@ -211,8 +205,8 @@ def _effects_shared(model: nn.Module, keyword: str, R: _Rows, outcome: _Outcome,
         crow = rows_all[s : s + mbs]
         ids, mask, lead = _left_padded([R.seqs[i] for i in crow], pad_id, device)
         cache = DynamicCache()
-        hidden = _cached_hidden(model, keyword, cache, input_ids=ids, attention_mask=mask,
-                                position_ids=position_ids_from_mask(mask))
+        hidden = _last_hidden(model, use_cache=True, **{keyword: cache}, input_ids=ids, attention_mask=mask,
+                             position_ids=position_ids_from_mask(mask))
         clean = outcome(hidden, *R.targets(crow, lead, device))  # [n, V] log p, or φ [n]
         kv = _clean_kv(cache, len(crow), ids.shape[1])
         del cache, hidden
@@ -234,8 +228,8 @@ def _effects_shared(model: nn.Module, keyword: str, R: _Rows, outcome: _Outcome,
                 a = lead[r]
                 prefix = Cache(layers=[_PrefixLayer(k[r : r + 1, :, a : a + C].expand(n, -1, -1, -1),
                                                     v[r : r + 1, :, a : a + C].expand(n, -1, -1, -1)) for k, v in kv])
-                h = _cached_hidden(model, keyword, prefix, input_ids=ids_s, attention_mask=attn,
-                                   position_ids=src.clamp(max=L - 1))
+                h = _last_hidden(model, use_cache=True, **{keyword: prefix}, input_ids=ids_s, attention_mask=attn,
+                                 position_ids=src.clamp(max=L - 1))
                 stat = outcome(h, *R.targets([i] * n, [-q for q in part], device))
                 vals.append(outcome.effect(clean[r], stat))
             effects[i] = torch.cat(vals)

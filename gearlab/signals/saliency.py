@@ -101,8 +101,9 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, model.base_model_prefix)
 
 
-def _last_hidden(model: nn.Module, **kw) -> Tensor:
-    out = _base(model)(**kw, use_cache=False)
+def _last_hidden(model: nn.Module, use_cache: bool = False, **kw) -> Tensor:
+    """Last hidden states [n, L, H] of the decoder (no LM head); ``kw`` may pass a KV cache to fill or read."""
+    out = _base(model)(**kw, use_cache=use_cache)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
