@@ -197,7 +197,7 @@ def train_summary(res, argv: list[str]) -> str:
     m, rdir = res.metrics, res.run_dir
     lines = [""]
     if res.stopped_early:
-        why = "interrupted" if res.interrupted else "stopped (trainer.stop_after)"
+        why = "interrupted" if res.interrupted else "stopped (trainer.stop_after / trainer.deadline)"
         lines.append(f"{why} after {res.iterations_done} of {res.max_steps} iterations; the checkpoint is "
                      f"{rdir / 'checkpoints' / 'last.ckpt'}")
         lines.append(f"resume (same MLflow run, exact): gearlab {shlex.join(argv)}")

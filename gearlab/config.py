@@ -152,6 +152,9 @@ class TrainerConfig:
     # stop cleanly after this many iterations in this process, with a checkpoint (time-limited cluster jobs:
     # the same command resumes); 0 = run to max_steps
     stop_after: int = 0
+    # stop cleanly, with a checkpoint, at the first iteration boundary after this Unix time (0 = never): a job with
+    # a wall-clock limit ends resumable, e.g. trainer.deadline=$(date -d '+50 min' +%s); compare.max_minutes sets it
+    deadline: float = 0.0
     eval_every: int = 0  # held-out evaluation every N iterations (0 = only before the first and after the last)
     progress_bar: bool = True
     # intra-op CPU threads (torch.set_num_threads); 0 = torch's default (the machine's cores). Floating-point
@@ -217,6 +220,9 @@ class CompareConfig:
     grid: dict[str, Any] = field(default_factory=dict)
     effect: float = 0.03  # the difference the power line asks about (metric units: 0.03 = 3 points of accuracy)
     target: float | None = None  # accuracy to reach for "steps to target" (None: skip that column)
+    # stop the comparison after this many minutes (0 = no limit): running children stop at their next iteration
+    # boundary with a checkpoint (trainer.deadline), queued ones are not started; the same command resumes
+    max_minutes: float = 0.0
 
 
 @dataclass

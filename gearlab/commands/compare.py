@@ -138,6 +138,9 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
         client.update_run(parent.info.run_id, status="RUNNING")
         record_versions(client, parent.info.run_id)  # a changed version is kept as "old -> new"
     pid = parent.info.run_id
+    if cfg.compare.max_minutes > 0:  # every child stops at an iteration boundary after this time, resumable
+        cfg.trainer.deadline = time.time() + 60 * cfg.compare.max_minutes
+        base_overrides = [*base_overrides, f"trainer.deadline={cfg.trainer.deadline:.3f}"]
     children = plan(cfg, base_overrides, model_path, pid, names)
     primary = parent.data.tags.get("primary_metric", primary_metric(cfg))
     if primary != primary_metric(cfg):
@@ -145,6 +148,13 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
               f"stays on it (gearlab report {cfg.compare.name} compare.metric=... shows another)", flush=True)
     todo = [c for c in children if not (c.assigner, c.seed) in done
             or done[(c.assigner, c.seed)].info.status != RunStatus.to_string(RunStatus.FINISHED)]
+    logs = Path(cfg.trainer.output_dir) / cfg.compare.name
+    for c in todo:  # a partial run whose folder is gone (a store moved to another machine without checkpoints)
+        old = done.get((c.assigner, c.seed))  # starts again from iteration 0: its stale record must not be reported
+        if old is not None and not (logs / c.label / "mlflow_run_id").is_file():
+            client.delete_run(old.info.run_id)
+            print(f"[compare] {c.label}: no local checkpoint for its unfinished MLflow run {old.info.run_id}; "
+                  f"that run is deleted and the child starts again", flush=True)
     print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} seeds), "
           f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}; "
           f"primary metric: {primary} (final value, paired by seed against {cfg.compare.baseline})", flush=True)
@@ -165,7 +175,6 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
 
     # fixed by the config when given (results then do not depend on the machine's core count)
     threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // max(1, cfg.compare.workers))
-    logs = Path(cfg.trainer.output_dir) / cfg.compare.name
     try:
         if cfg.compare.workers <= 1:
             for c in todo:
@@ -210,6 +219,8 @@ def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, f
         os.close(fd)
     try:
         cfg = load_config(overrides)
+        if 0 < cfg.trainer.deadline <= time.time():  # queued past compare.max_minutes: left for the next call
+            return "stopped", "", 0.0
         res = train(cfg)
         outcome, err = ("stopped" if res.stopped_early else "ok"), ""
         if outcome == "ok" and cfg.credit_eval.after_training:
@@ -256,6 +267,8 @@ def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish)
                                str(logs / c.label / "train.log")): c for c in todo}
         interrupted = False
         for f in as_completed(futures):
+            if f.cancelled():  # queued when another child stopped: not run, so neither finished nor failed
+                continue
             try:
                 outcome, err, secs = f.result()
             except Exception as e:  # the worker process itself died (e.g. killed): the pool is broken

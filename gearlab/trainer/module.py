@@ -187,9 +187,10 @@ class GRPOModule(L.LightningModule):
             upd["compile/graphs_total"] = float(counters["stats"]["unique_graphs"])
         self.iterations_done = it + 1
         self.session_iterations = getattr(self, "session_iterations", 0) + 1
-        # a stop request (trainer.stop_after, or Ctrl-C / SIGTERM caught by gearlab.trainer.train) ends the run at this
-        # iteration boundary; every rank must agree, or the ranks' collectives would no longer match
-        stop = 0 < cfg.trainer.stop_after <= self.session_iterations or self.interrupted
+        # a stop request (trainer.stop_after, trainer.deadline, or Ctrl-C / SIGTERM caught by gearlab.trainer.train)
+        # ends the run at this iteration boundary; every rank must agree, or the ranks' collectives would no longer match
+        stop = (0 < cfg.trainer.stop_after <= self.session_iterations or self.interrupted
+                or 0 < cfg.trainer.deadline <= time.time())
         if global_max_int(int(stop), self.device) and self.iterations_done < cfg.trainer.max_steps:
             self.stopped_early = True
             self.trainer.should_stop = True  # after this iteration's checkpoint (IterationCheckpoint saves it)

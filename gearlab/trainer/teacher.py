@@ -33,9 +33,20 @@ class Teacher:
         if self.mode != "live" and needs_teacher(assigner):
             self.copy = copy.deepcopy(policy).eval().requires_grad_(False)
 
+    def _follow_policy(self) -> None:
+        # the copy is made when the LightningModule is built, before Lightning moves the policy to its device;
+        # it is not a registered submodule, so it follows here (a GPU run otherwise computes the teacher on CPU
+        # weights and fails on the first teacher forward)
+        p = next(self.policy.parameters(), None)
+        t = next(self.copy.parameters(), None)
+        if p is not None and t is not None and t.device != p.device:
+            self.copy.to(p.device)
+
     @property
     def model(self) -> nn.Module | None:
-        """The teacher network, or None for the live policy."""
+        """The teacher network, or None for the live policy; on the policy's device."""
+        if self.copy is not None:
+            self._follow_policy()
         return self.copy
 
     @torch.no_grad()
@@ -43,6 +54,7 @@ class Teacher:
         """Update the copy after an iteration's optimizer steps."""
         if self.copy is None:
             return
+        self._follow_policy()
         if self.mode == "frozen":
             if self.sync_every > 0 and iterations_done % self.sync_every == 0:
                 self.copy.load_state_dict(self.policy.state_dict())

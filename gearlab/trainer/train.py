@@ -258,7 +258,7 @@ class TrainResult:
     metrics: dict[str, float]
     iterations_done: int = 0
     max_steps: int = 0
-    stopped_early: bool = False  # trainer.stop_after or Ctrl-C / SIGTERM: the run can be resumed
+    stopped_early: bool = False  # trainer.stop_after / deadline or Ctrl-C / SIGTERM: the run can be resumed
     interrupted: bool = False  # Ctrl-C / SIGTERM
 
 
@@ -313,7 +313,7 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
             log.warning("interrupted after %d of %d iterations; checkpoint %s — run the same command to resume",
                         module.iterations_done, cfg.trainer.max_steps, ckpt.last)
         else:
-            log.warning("stopped after %d iterations (trainer.stop_after); run the same command to resume", module.iterations_done)
+            log.warning("stopped after %d iterations (trainer.stop_after / trainer.deadline); run the same command to resume", module.iterations_done)
         if logger is not None:  # not FINISHED: a comparison must resume it, not skip it
             import mlflow
 

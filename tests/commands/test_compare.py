@@ -118,6 +118,36 @@ def test_a_crashed_child_is_recorded_and_the_comparison_goes_on(tmp_path, tiny_m
     assert rows["crashy"]["n"] == 1 and rows["grpo"]["n"] == 2 and rows["crashy"]["diff_n"] == 1
 
 
+def test_a_time_limited_comparison_stops_resumably_and_a_lost_checkpoint_restarts_clean(tmp_path, tiny_model_dir, capsys):
+    """compare.max_minutes: queued children are not started once it has passed; a child past trainer.deadline stops
+    at an iteration boundary (as for trainer.stop_after). A store moved without the child's folder (another machine) restarts that child from
+    iteration 0 and deletes its stale MLflow run, so the report holds one complete run per (method, seed)."""
+    out, _ = _run(tmp_path, tiny_model_dir, "limit", "[grpo]", "[0,1]", "compare.max_minutes=1e-9")
+    assert out["interrupted"] and out["stopped"] == ["grpo-s0"] and not (tmp_path / "limit" / "grpo-s0" / "checkpoints").exists()
+    # with parallel workers the queued children are cancelled, not recorded as failed runs
+    out, _ = _run(tmp_path, tiny_model_dir, "limit", "[grpo,gear]", "[0,1,2]", "compare.max_minutes=1e-9", "compare.workers=2")
+    assert out["interrupted"] and out["failed"] == [] and out["stopped"]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("compare/limit")
+    assert [r for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags] == []
+    out, _ = _run(tmp_path, tiny_model_dir, "limit", "[grpo]", "[0,1]", "trainer.stop_after=1")  # one iteration in
+    assert out["interrupted"] and out["stopped"] == ["grpo-s0"]
+    (stale,) = [r for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags]
+    assert stale.info.status == "KILLED" and [m.step for m in client.get_metric_history(stale.info.run_id, "train/reward")] == [0]
+    import shutil
+
+    shutil.rmtree(tmp_path / "limit" / "grpo-s0")  # the checkpoint did not travel with the store
+    capsys.readouterr()
+    out, _ = _run(tmp_path, tiny_model_dir, "limit", "[grpo]", "[0,1]")
+    assert out["failed"] == [] and not out.get("interrupted")
+    assert f"grpo-s0: no local checkpoint for its unfinished MLflow run {stale.info.run_id}" in capsys.readouterr().out
+    kids = [r for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags]
+    assert sorted(r.data.tags["seed"] for r in kids) == ["0", "1"] and stale.info.run_id not in {r.info.run_id for r in kids}
+    for r in kids:
+        assert r.info.status == "FINISHED"
+        assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "train/reward")) == [0, 1, 2]
+
+
 def test_report_from_a_remote_tracking_server(tmp_path, tiny_model_dir, mlflow_server, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     out, _ = _run(tmp_path, tiny_model_dir, "remote", "[grpo,entropy_adv]", "[0]", "trainer.max_steps=2")

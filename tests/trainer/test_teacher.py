@@ -56,3 +56,15 @@ def test_teacher_state_round_trips():
     t2 = Teacher(policy, _assigner("frozen"))
     t2.load_state_dict(state)
     assert torch.equal(t2.model.weight, t.model.weight)
+
+
+def test_the_copy_follows_the_policy_to_its_device():
+    """The copy is made before Lightning moves the policy (to a GPU in a real run): it must follow, for the
+    teacher forward and for the EMA update alike (the meta device stands in for the GPU here)."""
+    for mode in ("frozen", "ema"):
+        policy = torch.nn.Linear(2, 2)
+        t = Teacher(policy, _assigner(mode))
+        policy.to("meta")
+        assert t.model.weight.device.type == "meta"
+        t.after_iteration(1)
+        assert t.copy.weight.device.type == "meta"

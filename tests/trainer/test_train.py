@@ -273,6 +273,19 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
     assert f"gearlab inspect model.name_or_path={second.run_dir / 'final'}" in text
 
 
+def test_deadline_stops_after_the_iteration_with_a_checkpoint_and_resumes(tmp_path, tiny_model_dir):
+    """trainer.deadline (a Unix time) passed: the run ends at the next iteration boundary, resumable, as for Ctrl-C."""
+    first = train(load_config(_overrides(tmp_path, tiny_model_dir, "trainer.deadline=1", "trainer.checkpoint_every=10")))
+    assert first.stopped_early and not first.interrupted and first.iterations_done == 1
+    ck = torch.load(first.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ck["gearlab"]["iterations_done"] == 1
+    client = mlflow.MlflowClient(first.tracking_uri)
+    assert client.get_run(first.mlflow_run_id).info.status == "KILLED"
+    second = train(load_config(_overrides(tmp_path, tiny_model_dir)))
+    assert second.mlflow_run_id == first.mlflow_run_id and second.iterations_done == 3 and not second.stopped_early
+    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "train/reward")) == [0, 1, 2]
+
+
 def test_resumed_run_logs_each_iteration_once_after_a_hard_kill(tmp_path, tiny_model_dir):
     """A process killed between logging an iteration and checkpointing it re-runs that iteration on resume; the
     resume is exact, so the value on record is kept and not logged a second time."""
