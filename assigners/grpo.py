@@ -13,6 +13,8 @@ from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
 @register("grpo")
 class GRPOAssigner(CreditAssigner):
     needs = frozenset()
+    preserves_sign = True  # A_i on every generated token: its sign, and Σ_t = N_i · A_i
+    preserves_mass = True
 
     def assign(self, batch: RolloutBatch, seq_advantages: Tensor, signals: dict[Signal, Tensor]) -> CreditOutput:
         mask = batch.response_mask

@@ -283,7 +283,7 @@ def _report(cfg, explicit_metric: bool = True) -> int:
 
     try:
         rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric if explicit_metric and cfg.compare.metric != "auto" else None,
-                           baseline=cfg.compare.baseline, target=cfg.compare.target, effect=cfg.compare.effect,
+                           baseline=cfg.compare.baseline, target=cfg.compare.target, effect=cfg.compare.effect, more_curves=list(cfg.compare.curves),
                            out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
     except ValueError as e:
         from gearlab.config import ConfigError

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from gearlab.core.grpo import AGG_MODES, KL_KINDS
+from gearlab.core.grpo import AGG_MODES, ENGINE_IS_MODES, KL_KINDS
 from gearlab.errors import ConfigError  # noqa: F401  (re-exported: gearlab.config.ConfigError)
 
 # Groups selectable as ``group=name`` on the command line; each maps to conf/<group>/<name>.yaml,
@@ -86,9 +86,13 @@ class AlgorithmConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
-    # truncated importance sampling against the rollout engine (rollout.engine=vllm): each token's policy-gradient
-    # term × min(π_old / π_engine, tis_cap), detached (docs/grpo.md#rollout-engine-mismatch-and-truncated-importance-sampling); 0 = off
-    tis_cap: float = 0.0
+    # correction for rollouts sampled by another engine (rollout.engine=vllm): none | token_truncate | token_mask |
+    # sequence_truncate | sequence_mask | icepop — each token's policy-gradient term × a detached weight from
+    # π_old / π_engine (docs/grpo.md#rollout-engine-mismatch-and-importance-corrections)
+    engine_is: str = "none"
+    engine_is_cap: float = 2.0  # the upper bound of the ratio (truncated to it, or masked past it); >= 1
+    engine_is_low: float = 0.5  # icepop: tokens with a ratio below this are masked too; in (0, 1]
+    tis_cap: float = 0.0  # alias: C > 0 = engine_is=token_truncate with engine_is_cap=C; 0 = off
     agg: str = "token-mean"
     loss_scale_factor: float | None = None
     kl_coef: float = 0.0
@@ -220,6 +224,9 @@ class CompareConfig:
     grid: dict[str, Any] = field(default_factory=dict)
     effect: float = 0.03  # the difference the power line asks about (metric units: 0.03 = 3 points of accuracy)
     target: float | None = None  # accuracy to reach for "steps to target" (None: skip that column)
+    # more per-iteration metrics the report plots across methods like the training accuracy, e.g.
+    # [credit/adv_std,credit/sign_flip_frac]: one curves_<metric>.png each
+    curves: list[str] = field(default_factory=list)
     # stop the comparison after this many minutes (0 = no limit): running children stop at their next iteration
     # boundary with a checkpoint (trainer.deadline), queued ones are not started; the same command resumes
     max_minutes: float = 0.0
@@ -383,6 +390,7 @@ _CHOICES = {
     "algorithm.agg": AGG_MODES,  # the core's own lists: one place
     "algorithm.std_scope": ("group", "batch"),
     "algorithm.kl_kind": KL_KINDS,
+    "algorithm.engine_is": ENGINE_IS_MODES,
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.reward_errors": ("zero", "raise"),
     "model.dtype": ("auto", "float32", "bfloat16"),
@@ -413,10 +421,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError("key 'rollout.temperature': must be > 0 (greedy decoding is for eval, not GRPO)")
     if cfg.algorithm.dual_clip is not None and cfg.algorithm.dual_clip <= 1:
         raise ConfigError(f"key 'algorithm.dual_clip': must be > 1, got {cfg.algorithm.dual_clip}")
-    if cfg.algorithm.tis_cap != 0 and cfg.algorithm.tis_cap < 1:
-        raise ConfigError(f"key 'algorithm.tis_cap': must be 0 (off) or >= 1, got {cfg.algorithm.tis_cap}")
-    if cfg.algorithm.tis_cap and cfg.rollout.engine != "vllm":
+    alg = cfg.algorithm
+    if alg.tis_cap != 0 and alg.tis_cap < 1:
+        raise ConfigError(f"key 'algorithm.tis_cap': must be 0 (off) or >= 1, got {alg.tis_cap}")
+    if alg.tis_cap and cfg.rollout.engine != "vllm":
         raise ConfigError("key 'algorithm.tis_cap': the correction needs the engine's log-probs (rollout.engine=vllm)")
+    if alg.tis_cap:  # the older spelling of token truncation
+        if alg.engine_is not in ("none", "token_truncate"):
+            raise ConfigError(f"key 'algorithm.tis_cap': it means engine_is=token_truncate, but algorithm.engine_is is {alg.engine_is!r}")
+        alg.engine_is, alg.engine_is_cap = "token_truncate", float(alg.tis_cap)
+    if alg.engine_is != "none" and cfg.rollout.engine != "vllm":
+        raise ConfigError("key 'algorithm.engine_is': the correction needs the engine's log-probs (rollout.engine=vllm)")
+    if alg.engine_is_cap < 1:
+        raise ConfigError(f"key 'algorithm.engine_is_cap': must be >= 1, got {alg.engine_is_cap}")
+    if not 0 < alg.engine_is_low <= 1:
+        raise ConfigError(f"key 'algorithm.engine_is_low': must be in (0, 1], got {alg.engine_is_low}")
     if not 0 < cfg.rollout.vllm.gpu_memory_utilization <= 1:
         raise ConfigError(f"key 'rollout.vllm.gpu_memory_utilization': must be in (0, 1], got {cfg.rollout.vllm.gpu_memory_utilization}")
     if cfg.rollout.vllm.sleep_level not in (1, 2):

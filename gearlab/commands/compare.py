@@ -192,7 +192,8 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
     from gearlab.commands.report import build_report
 
     rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=primary, baseline=cfg.compare.baseline,
-                       target=cfg.compare.target, effect=cfg.compare.effect, out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
+                       target=cfg.compare.target, effect=cfg.compare.effect, more_curves=list(cfg.compare.curves),
+                       out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
     client.set_terminated(pid, "FINISHED" if not failed else "FAILED")
     print(f"[compare] {len(children) - len(failed)}/{len(children)} runs finished in {(time.time() - t_start) / 60:.1f} min")
     print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")

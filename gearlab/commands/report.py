@@ -93,12 +93,14 @@ def load_comparison(tracking: str, comparison: str) -> tuple[mlflow.MlflowClient
 
 def build_report(tracking: str, comparison: str, *, metric: str | None = None, baseline: str = "grpo",
                  target: float | None = None, out_dir: Path | str = "report", log_to_parent: bool = True,
-                 effect: float = 0.03) -> Report:
+                 effect: float = 0.03, more_curves: list[str] | tuple[str, ...] = ()) -> Report:
     """Rebuild the comparison's table, power and learning lines, plot, report.md and report.json from MLflow.
 
     ``metric``: the headline metric; None takes the parent run's ``primary_metric`` tag, else
     ``eval/greedy_accuracy``. ``effect``: the paired difference (metric units; 0.03 = 3 points of an accuracy)
-    whose needed number of seeds the power line states."""
+    whose needed number of seeds the power line states. ``more_curves``: more per-iteration metrics (e.g.
+    ``credit/adv_std``, ``credit/sign_flip_frac``), each plotted across methods like the training accuracy, into
+    ``curves_<metric>.png`` (a metric no run logged gets a note instead)."""
     client, parent, children, _ = load_comparison(tracking, comparison)
     tag_metric = parent.data.tags.get("primary_metric") if parent is not None else None
     if metric:
@@ -208,6 +210,20 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct)])
     plot = out / "curves.png"
     _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric, baseline=baseline)
+    extra_plots = []
+    notes = []
+    for name in more_curves:
+        series = {a: {s: [v for _, v, _ in _history(client, finished[(a, s)].info.run_id, sanitize_metric_key(name))]
+                      for s in sorted(s_ for a_, s_ in finished if a_ == a)} for a in order}
+        series = {a: {s: v for s, v in runs.items() if v} for a, runs in series.items()}
+        if not any(series.values()):
+            notes.append(f"note: no run logged {name!r}; no curve for it")
+            continue
+        extra_plots.append(out / f"curves_{sanitize_metric_key(name).replace('/', '_')}.png")
+        _plot(series, final_points={a: final[a] for a in order}, path=extra_plots[-1], metric=metric, baseline=baseline,
+              curve=name)
+    if extra_plots or notes:
+        table += "\n\n" + "\n".join(([f"more curves: {', '.join(p.name for p in extra_plots)}"] if extra_plots else []) + notes)
     md = out / "report.md"
     md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target))
     (out / "report.json").write_text(json.dumps({
@@ -216,7 +232,7 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
         "rows": rows, "missing": missing, "version_mismatch": mismatch, "versions_unknown": unknown,
         "credit_eval": credit}, indent=2, default=str))
     if log_to_parent and parent is not None:
-        for f in (md, plot, out / "report.json"):
+        for f in (md, plot, out / "report.json", *extra_plots):
             client.log_artifact(parent.info.run_id, str(f), "report")
         log_headline(client, parent.info.run_id, rows)
     return Report(table, md, plot, rows, missing, warnings, mismatch, credit)

@@ -43,9 +43,10 @@ def _band(series: list[list[float]], bounds: tuple[float, float] | None = None) 
 
 
 def _plot(curves: dict[str, dict[int, list[float]]], final_points: dict[str, dict[int, float]], path: Path, metric: str,
-          baseline: str) -> None:
-    """Left: training accuracy (mean over seeds, 95% t band). Middle: the paired per-seed difference to the
-    baseline (the same prompts make this far less noisy). Right: final metric per seed and its mean ± 95% t."""
+          baseline: str, curve: str = CURVE) -> None:
+    """Left: ``curve`` per iteration, training accuracy by default (mean over seeds, 95% t band). Middle: the paired
+    per-seed difference to the baseline (the same prompts make this far less noisy). Right: final metric per seed
+    and its mean ± 95% t."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,7 +54,8 @@ def _plot(curves: dict[str, dict[int, list[float]]], final_points: dict[str, dic
 
     fig, (ax, axd, ax2) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [3, 3, 1.3]})
     base = {s: _smooth(v) for s, v in curves.get(baseline, {}).items()}
-    b = _bounds(CURVE, [v for runs in curves.values() for r in runs.values() for v in r])
+    b = _bounds(curve, [v for runs in curves.values() for r in runs.values() for v in r])
+    what = "training accuracy" if curve == CURVE else curve
     diff_b = (b[0] - b[1], b[1] - b[0]) if b else None  # a difference of two values in [0, 1] lies in [-1, 1]
     fb = _bounds(metric, [v for pts in final_points.values() for v in pts.values()])
     for i, (a, runs) in enumerate(curves.items()):
@@ -76,14 +78,14 @@ def _plot(curves: dict[str, dict[int, list[float]]], final_points: dict[str, dic
             if fb is not None:
                 down, up = max(0.0, min(down, m - fb[0])), max(0.0, min(up, fb[1] - m))
             ax2.errorbar([i + 0.2], [m], yerr=[[down], [up]], fmt="o", color=color, capsize=3)
-    ax.set_title(f"training accuracy ({SMOOTH}-iteration mean)\n(line: mean over seeds; band: 95% t)", fontsize=8)
+    ax.set_title(f"{what} ({SMOOTH}-iteration mean)\n(line: mean over seeds; band: 95% t)", fontsize=8)
     axd.set_title(f"paired difference to {baseline}, per seed\n(line: mean over seeds; band: 95% t)", fontsize=8)
     ax.set_xlabel("iteration")
-    ax.set_ylabel(f"training accuracy ({SMOOTH}-iteration mean)")
+    ax.set_ylabel(f"{what} ({SMOOTH}-iteration mean)")
     ax.legend(fontsize=8)
     axd.axhline(0, color="k", lw=0.8)
     axd.set_xlabel("iteration")
-    axd.set_ylabel("paired difference of training accuracy")
+    axd.set_ylabel(f"paired difference of {what}")
     axd.legend(fontsize=8)
     for a_ in (ax, axd, ax2):
         a_.grid(alpha=0.3)

@@ -210,18 +210,34 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     return loss, metrics
 
 
-def engine_mismatch(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, tis_cap: float = 0.0
-                    ) -> tuple[Optional[Tensor], dict[str, Tensor]]:
-    """Train/inference mismatch of the sampled tokens, and truncated importance weights (TIS).
+#: ``algorithm.engine_is``: how the policy-gradient term is corrected for rollouts sampled by another engine
+ENGINE_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop")
 
-    trainer_logprobs (log π_old from the trainer's forward), engine_logprobs (the rollout engine's own
-    log-probs of the same tokens), mask: [B, T]. With Δ = trainer − engine and ρ = exp(Δ):
-      engine_lp_diff_abs   mean |Δ| over the mask
-      engine_lp_diff_max   max |Δ| (of this micro-batch)
-      engine_kl_k3         mean(ρ − 1 − Δ): a k3 estimate of KL(π_engine ‖ π_trainer) from the engine's samples
-      tis_weight_mean, tis_clip_frac (tis_cap > 0): mean of min(ρ, cap) and the share of tokens capped
-    Returns (weights [B, T] detached or None when tis_cap == 0, metrics).
-    """
+
+def engine_mismatch(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, mode: str = "none", *,
+                    cap: float = 2.0, low: float = 0.5) -> tuple[Optional[Tensor], dict[str, Tensor]]:
+    """Train/inference mismatch of the sampled tokens, and the importance weights that correct for it.
+
+    trainer_logprobs (log π_old from the trainer's forward), engine_logprobs (the rollout engine's own log-probs
+    of the same tokens), mask: [B, T]. Δ_t = trainer − engine (clamped to ±20), ρ_t = exp(Δ_t); a sequence's
+    ratio is ρ_i = exp(mean_t Δ_{i,t}) over its masked tokens — the geometric mean of its token ratios, so it does
+    not explode or vanish with the response's length as exp(Σ_t Δ) does. Weights w [B, T] by ``mode``:
+
+      none               no weights (None)
+      token_truncate     w_t = min(ρ_t, cap)                       (truncated IS; ``algorithm.tis_cap``)
+      token_mask         w_t = ρ_t · 1[ρ_t ≤ cap]                  (tokens past the cap leave the gradient)
+      sequence_truncate  w_t = min(ρ_i, cap) on every token of sequence i
+      sequence_mask      w_t = ρ_i · 1[ρ_i ≤ cap]
+      icepop             w_t = ρ_t · 1[low ≤ ρ_t ≤ cap]            (two-sided token mask)
+
+    Masked tokens keep their place in the loss's token counts (the loss is not renormalised over the kept ones).
+    Metrics (means over the mask): engine_lp_diff_abs (|Δ|), engine_lp_diff_max, engine_kl_k3 (mean ρ − 1 − Δ, a
+    k3 estimate of KL(π_engine ‖ π_trainer)); with a mode: is_weight_mean, is_truncated_frac (tokens whose weight
+    was capped), is_masked_frac (tokens given weight 0); sequence modes also is_seq_truncated_frac /
+    is_seq_masked_frac (shares of sequences with at least one token).
+    Returns (weights [B, T] detached, or None for ``none``; metrics)."""
+    if mode not in ENGINE_IS_MODES:
+        raise ValueError(f"engine_is mode must be one of {ENGINE_IS_MODES}, got {mode!r}")
     m = mask.bool()
     n = m.sum().clamp_min(1)
     with torch.no_grad():
@@ -230,11 +246,27 @@ def engine_mismatch(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Ten
         absd = d.abs() * m
         metrics = {"engine_lp_diff_abs": absd.sum() / n, "engine_lp_diff_max": absd.max() if m.any() else absd.sum(),
                    "engine_kl_k3": ((rho - 1 - d) * m).sum() / n}
-        if tis_cap <= 0:
+        if mode == "none":
             return None, metrics
-        w = rho.clamp(max=tis_cap)
-        metrics["tis_weight_mean"] = (w * m).sum() / n
-        metrics["tis_clip_frac"] = ((rho > tis_cap) & m).sum() / n
+        zero = torch.zeros_like(rho)
+        if mode.startswith("sequence"):
+            per_seq = m.sum(-1)
+            seq_d = (d * m).sum(-1) / per_seq.clamp_min(1)
+            r = seq_d.exp()[:, None].expand_as(rho)
+        else:
+            r = rho
+        if mode.endswith("truncate"):
+            w, truncated, masked = r.clamp(max=cap), r > cap, torch.zeros_like(m)
+        else:
+            masked = (r > cap) | (r < low) if mode == "icepop" else r > cap
+            w, truncated = torch.where(masked, zero, r), torch.zeros_like(m)
+        w = w * m
+        metrics.update(is_weight_mean=w.sum() / n, is_truncated_frac=(truncated & m).sum() / n,
+                       is_masked_frac=(masked & m).sum() / n)
+        if mode.startswith("sequence"):
+            rows = (per_seq > 0).sum().clamp_min(1)
+            metrics["is_seq_truncated_frac"] = (truncated & m).any(-1).sum() / rows
+            metrics["is_seq_masked_frac"] = (masked & m).any(-1).sum() / rows
         return w, metrics
 
 

@@ -23,6 +23,7 @@ from gearlab.core import grpo
 from gearlab.core.batch import RolloutBatch
 from gearlab.config import Config
 from gearlab.credit import CreditAssigner
+from gearlab.credit.diagnostics import credit_diagnostics
 from gearlab.parallel.distributed import gathered_for_generation, global_max_int, is_fsdp1
 from gearlab.core.logprobs import response_hidden, token_logprobs
 from gearlab.core.metrics import pass_at_k
@@ -173,6 +174,8 @@ class GRPOModule(L.LightningModule):
         loss_mask = rb.response_mask if credit.loss_mask is None else (credit.loss_mask.bool() & rb.response_mask)
         if adv.shape != rb.response_ids.shape:
             raise ValueError(f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected {tuple(rb.response_ids.shape)}")
+        # the method's own diagnostics, then the same statistics for every method (the core's, not the assigner's)
+        credit.metrics = {**credit.metrics, **credit_diagnostics(adv, seq_adv, rb.response_mask, loss_mask)}
 
         t2 = time.perf_counter()
         upd = self._update(rb, adv, loss_mask, it)
@@ -265,7 +268,8 @@ class GRPOModule(L.LightningModule):
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
         is_w, mismatch = None, {}
         if mb.rollout_logprobs is not None:  # sampled by another engine (vLLM): its log-probs vs the trainer's
-            is_w, mismatch = grpo.engine_mismatch(old, mb.rollout_logprobs, mb.response_mask, alg.tis_cap)
+            is_w, mismatch = grpo.engine_mismatch(old, mb.rollout_logprobs, mb.response_mask, alg.engine_is,
+                                                    cap=alg.engine_is_cap, low=alg.engine_is_low)
         loss, metrics = grpo.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
                                          dual_clip=alg.dual_clip, agg=alg.agg, is_weights=is_w, **pg_counts)
         metrics = dict(metrics, pg_loss=loss.detach(), **mismatch)

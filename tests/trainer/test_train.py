@@ -284,6 +284,12 @@ def test_deadline_stops_after_the_iteration_with_a_checkpoint_and_resumes(tmp_pa
     second = train(load_config(_overrides(tmp_path, tiny_model_dir)))
     assert second.mlflow_run_id == first.mlflow_run_id and second.iterations_done == 3 and not second.stopped_early
     assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "train/reward")) == [0, 1, 2]
+    # every method's credit statistics are on record each iteration; GRPO's equal its own broadcast
+    run = client.get_run(first.mlflow_run_id)
+    assert run.data.params["credit.normalisation"] == "group mean, divided by group std (unbiased)"
+    for k in ("adv_mean", "adv_std", "adv_abs_mean", "abs_up_frac", "abs_down_frac", "sign_flip_frac", "zero_frac"):
+        assert len(client.get_metric_history(first.mlflow_run_id, f"credit/{k}")) == 3, k
+    assert run.data.metrics["credit/sign_flip_frac"] == run.data.metrics["credit/abs_up_frac"] == 0.0
 
 
 def test_resumed_run_logs_each_iteration_once_after_a_hard_kill(tmp_path, tiny_model_dir):
