@@ -56,8 +56,19 @@ class VLLMConfig:
 
 
 @dataclass
+class FastDecodeConfig:
+    """``rollout.engine=fast`` (gearlab.rollout.fast): static-KV-cache decoding of the policy itself, each decode
+    step one CUDA graph on GPUs; per-row seeds (row i of a call: seed + i)."""
+
+    cuda_graphs: str = "auto"  # auto (on with CUDA) | on | off: capture each decode step as a CUDA graph
+    bucket: int = 64  # attention covers the filled cache rounded up to this many tokens (one graph per bucket)
+    check_every: int = 8  # decode steps between the checks whether every row has stopped (a host sync each)
+    compile: bool = False  # torch.compile the decode step (fused kernels) before capturing it
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "hf"  # hf (transformers generate) | vllm
+    engine: str = "hf"  # hf (transformers generate) | fast (gearlab's static-cache decoder) | vllm
     prompts_per_step: int = 16
     group_size: int = 8
     max_new_tokens: int = 48
@@ -72,6 +83,7 @@ class RolloutConfig:
     max_turns: int = 0  # policy turns per episode; 0 = the task's default
     max_total_tokens: int = 0  # response tokens (policy + environment) per episode; 0 = max_new_tokens × max_turns
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    fast: FastDecodeConfig = field(default_factory=FastDecodeConfig)
 
 
 @dataclass
@@ -394,7 +406,8 @@ _CHOICES = {
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.reward_errors": ("zero", "raise"),
     "model.dtype": ("auto", "float32", "bfloat16"),
-    "rollout.engine": ("hf", "vllm"),
+    "rollout.engine": ("hf", "fast", "vllm"),
+    "rollout.fast.cuda_graphs": ("auto", "on", "off"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
     "rollout.vllm.sleep": ("auto", "on", "off"),
     "rollout.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -424,14 +437,17 @@ def validate(cfg: Config) -> None:
     alg = cfg.algorithm
     if alg.tis_cap != 0 and alg.tis_cap < 1:
         raise ConfigError(f"key 'algorithm.tis_cap': must be 0 (off) or >= 1, got {alg.tis_cap}")
-    if alg.tis_cap and cfg.rollout.engine != "vllm":
-        raise ConfigError("key 'algorithm.tis_cap': the correction needs the engine's log-probs (rollout.engine=vllm)")
+    if alg.tis_cap and cfg.rollout.engine == "hf":
+        raise ConfigError("key 'algorithm.tis_cap': the correction needs the engine's log-probs (rollout.engine=vllm or fast)")
     if alg.tis_cap:  # the older spelling of token truncation
         if alg.engine_is not in ("none", "token_truncate"):
             raise ConfigError(f"key 'algorithm.tis_cap': it means engine_is=token_truncate, but algorithm.engine_is is {alg.engine_is!r}")
         alg.engine_is, alg.engine_is_cap = "token_truncate", float(alg.tis_cap)
-    if alg.engine_is != "none" and cfg.rollout.engine != "vllm":
-        raise ConfigError("key 'algorithm.engine_is': the correction needs the engine's log-probs (rollout.engine=vllm)")
+    if alg.engine_is != "none" and cfg.rollout.engine == "hf":
+        raise ConfigError("key 'algorithm.engine_is': the correction needs the engine's log-probs (rollout.engine=vllm or fast)")
+    for key in ("bucket", "check_every"):
+        if getattr(cfg.rollout.fast, key) < 1:
+            raise ConfigError(f"key 'rollout.fast.{key}': must be >= 1, got {getattr(cfg.rollout.fast, key)}")
     if alg.engine_is_cap < 1:
         raise ConfigError(f"key 'algorithm.engine_is_cap': must be >= 1, got {alg.engine_is_cap}")
     if not 0 < alg.engine_is_low <= 1:

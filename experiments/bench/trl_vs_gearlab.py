@@ -2,20 +2,24 @@
 
     python experiments/bench/trl_vs_gearlab.py --out result.json       # a GPU; TRL + datasets installed
 
-Setting (issue 6's orientation numbers for TRL 1.16): a random-weight model with the Qwen3-0.6B shape
-(bf16, vocab 151,936 — a word-level tokenizer with that many entries stands in for Qwen's), 16 prompts × 8
-completions, 64-token prompts, 256 new tokens (forced in TRL with ``min_new_tokens``; a random model over
-151,936 tokens almost never samples the end token, so gearlab's completions are full length too), HF
-``generate`` rollouts in both, gradient checkpointing on, micro-batches of 8, one optimizer step per
-iteration (TRL: per-device batch 8 × 16 accumulation steps; gearlab: micro_batch_size 8, one mini-batch).
-Reported: seconds per iteration (median of iterations 2..n) and, for gearlab, the rollout / update split.
+Setting: a random-weight model with the Qwen3-0.6B shape (bf16, vocab 151,936 — a word-level tokenizer with that
+many entries stands in for Qwen's), 16 prompts × 8 completions, 64-token prompts, 256 new tokens (forced in TRL
+with ``min_new_tokens``; a random model over 151,936 tokens almost never samples the end token, so gearlab's
+completions are full length too), one optimizer step per iteration. Reported per variant: seconds per iteration
+(median of iterations 2..n), peak GPU memory and, for gearlab, the rollout / update split (and, for the fast
+path, milliseconds per decode step).
 
-``--variants`` picks the runs (all in one process, same card): ``gearlab`` (eager HF decoding, dynamic KV
-cache), ``gearlab_static`` (``rollout.static_cache=true``: a static KV cache that transformers compiles),
-``gearlab_static_compiled`` (the same plus ``trainer.compile=true``: compiled decoder layers and log-prob
-head for the training forwards), ``trl`` (TRL's defaults) and ``trl_static`` (TRL with
-``cache_implementation="static"`` plus its generation config's ``disable_compile`` switched off after
-construction — not a TRL option, the tuning described in docs/hardware.md#trl-decoding-tuning). Iteration 1 (compilation) is excluded by the median.
+``--variants`` picks the runs from ``VARIANTS`` (each in its own process, one after another on the same card):
+``trl_default`` (TRL's defaults: micro-batch 8 × 16 accumulation, checkpointing), ``trl_tuned`` (micro-batch
+64 × 2, no checkpointing, ``cache_implementation="static"`` with its decode compiled — ``generation_config.
+disable_compile=False`` set after construction, not a TRL option: docs/hardware.md#trl-decoding-tuning),
+``gearlab_default`` (micro-batch 8, checkpointing, ``rollout.static_cache`` + ``trainer.compile``),
+``gearlab_tuned`` (micro-batch 64, no checkpointing, static cache + compile), ``gearlab_fast`` (the tuned update
+with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step one CUDA graph) and
+``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``); the older names ``gearlab``,
+``gearlab_static``, ``gearlab_static_compiled``, ``trl`` and ``trl_static`` remain. Iteration 1 (compilation,
+graph capture) is excluded by the median. ``--profile`` adds, for the fast variants, a torch.profiler trace of
+one decode step summarised as CUDA kernel time vs wall time. ``--md`` writes the Markdown table.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +37,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 V, PROMPTS, G, PROMPT_LEN, NEW = 151_936, 16, 8, 64, 256
+# BENCH_SMOKE=1: a 2-layer model and a tiny batch, on the CPU if there is no GPU — to check the script, not to time
+SMOKE = bool(os.environ.get("BENCH_SMOKE"))
+if SMOKE:
+    V, PROMPTS, G, NEW = 4000, 2, 2, 8
+CUDA = torch.cuda.is_available()
 
 
 def build_tokenizer():
@@ -82,6 +92,7 @@ def timed_module(base: type, times: list[dict]) -> type:
             t = {k: upd[k] for k in ("time_rollout_s", "time_signals_credit_s", "time_update_s")}
             t["response_len"] = float(rb.response_mask.sum(-1).float().mean())
             t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+            t.update({k: v for k, v in upd.items() if k.startswith("fast/")})
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             times.append(t)
@@ -94,8 +105,11 @@ def build_model_dir(d: Path) -> Path:
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=4096,
+    size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16) if SMOKE else
+            dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128))
+    cfg = Qwen3Config(vocab_size=V, **size, tie_word_embeddings=True, max_position_embeddings=4096,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(d)
@@ -108,7 +122,7 @@ def prompt_text(i: int) -> str:
     return " ".join(f"w{int(x)}" for x in torch.randint(10, 50_000, (PROMPT_LEN - 5,), generator=g))
 
 
-def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False) -> dict:
+def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro: int = 8, checkpointing: bool = True) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -125,9 +139,10 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False) -> dic
             torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
 
-    args = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=8, gradient_accumulation_steps=16,
+    args = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=micro,
+                      gradient_accumulation_steps=PROMPTS * G // micro,
                       num_generations=G, max_completion_length=NEW, generation_kwargs={"min_new_tokens": NEW},
-                      bf16=True, gradient_checkpointing=True, max_steps=iters, logging_steps=1, report_to="none",
+                      bf16=True, gradient_checkpointing=checkpointing, max_steps=iters, logging_steps=1, report_to="none",
                       save_strategy="no", beta=0.0, learning_rate=1e-6, temperature=1.0, top_k=0, top_p=1.0,
                       model_init_kwargs={"dtype": torch.bfloat16},  # bf16 parameters, as gearlab's run here
                       **({"cache_implementation": "static"} if static else {}))
@@ -136,11 +151,14 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False) -> dic
     if static:
         trainer.generation_config.disable_compile = False  # TRL sets True; the static cache then runs compiled
     trainer.add_callback(Timer())
+    torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    return {"s_per_iter_all": [round(t, 2) for t in times], "s_per_iter": round(statistics.median(times[1:]), 2)}
+    return {"s_per_iter_all": [round(t, 2) for t in times], "s_per_iter": round(statistics.median(times[1:]), 2),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
 
 
-def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: bool = False) -> dict:
+def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: bool = False, micro: int = 8,
+                checkpointing: bool = True, engine: str = "hf", fast_compile: bool = False, profile: bool = False) -> dict:
     import lightning as L
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,11 +169,12 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
 
     # the weights are bf16 themselves; Lightning's precision stays 32-true (its bf16-true plugin would try to
     # cast the batch of prompt objects)
-    cfg = load_config(["trainer.accelerator=gpu", "trainer.precision=32-true", "model.dtype=bfloat16",
+    cfg = load_config([f"trainer.accelerator={'gpu' if CUDA else 'cpu'}", "trainer.precision=32-true", "model.dtype=bfloat16",
                        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.max_new_tokens={NEW}",
-                       "rollout.batch_size=128", "algorithm.micro_batch_size=8", "trainer.activation_checkpointing=true",
-                       "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={iters}",
-                       f"rollout.static_cache={static}", f"trainer.compile={compiled}"])
+                       "rollout.batch_size=128", f"algorithm.micro_batch_size={micro}",
+                       f"trainer.activation_checkpointing={checkpointing}", "optim.lr=1e-6", "signals.chunk_size=1024",
+                       f"trainer.max_steps={iters}", f"rollout.static_cache={static}", f"trainer.compile={compiled}",
+                       f"rollout.engine={engine}", f"rollout.fast.compile={fast_compile}"])
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -163,40 +182,124 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
     times: list[dict] = []
     module = timed_module(GRPOModule, times)(cfg, model, tok, task, build("grpo"))
     dm = PromptDataModule(task, prompts_per_step=PROMPTS, num_steps=iters, seed=0, pool_size=PROMPTS * iters)
-    L.Trainer(accelerator="gpu", devices=1, precision="32-true", max_epochs=1, logger=False, enable_checkpointing=False,
+    L.Trainer(accelerator="gpu" if CUDA else "cpu", devices=1, precision="32-true", max_epochs=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(module, datamodule=dm)
     tot = [sum(v for k, v in t.items() if k.startswith("time_")) for t in times]
     med = lambda k: round(statistics.median([t[k] for t in times[1:]]), 2)  # noqa: E731
-    return {"s_per_iter_all": [round(t, 2) for t in tot], "s_per_iter": round(statistics.median(tot[1:]), 2),
-            "rollout_s": med("time_rollout_s"), "update_s": med("time_update_s"),
-            "response_len_mean": round(statistics.mean(t["response_len"] for t in times), 1)}
+    res = {"s_per_iter_all": [round(t, 2) for t in tot], "s_per_iter": round(statistics.median(tot[1:]), 2),
+           "rollout_s": med("time_rollout_s"), "update_s": med("time_update_s"),
+           "peak_gib": round(max(t["peak_gib"] for t in times), 1),
+           "response_len_mean": round(statistics.mean(t["response_len"] for t in times), 1)}
+    if engine == "fast":
+        res["decode_ms_per_step"] = med("fast/ms_per_step")
+        res["graphs_captured"] = times[-1]["fast/graphs_captured"]
+        if profile:
+            res["profile"] = profile_decode_step(module)
+    return res
+
+
+def profile_decode_step(module) -> dict:
+    """One more fast-path rollout under torch.profiler: the CUDA kernel time and the wall time per decode step
+    (their gap is launch and host overhead), and the five costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gearlab.rollout.base import SamplingParams
+
+    task = bench_task()
+    ids, mask = module.engine.encode_prompts(task.problems("train", PROMPTS))
+    ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    sp = SamplingParams(max_new_tokens=NEW)
+    gen = module.generator
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+    gen.sample(module.policy, ids, mask, sp, seed=1)  # warm (graphs exist already)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])) as prof:
+        gen.sample(module.policy, ids, mask, sp, seed=2)
+        sync()
+    st = gen.stats()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernel_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:5]
+    steps = st["fast/steps"]
+    return {"wall_ms_per_step": round(st["fast/ms_per_step"], 3), "kernel_ms_per_step": round(kernel_us / 1000 / steps, 3),
+            "top_kernels_ms_per_step": {e.key[:80]: round(e.self_device_time_total / 1000 / steps, 3) for e in top}}
+
+
+# name → (runner, options); micro-batch 64 × 2 = the 128 sequences of an iteration
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "trl_default": ("trl", {}),
+    "trl_tuned": ("trl", {"static": True, "micro": 64, "checkpointing": False}),
+    "gearlab_default": ("gearlab", {"static": True, "compiled": True}),
+    "gearlab_tuned": ("gearlab", {"static": True, "compiled": True, "micro": 64, "checkpointing": False}),
+    "gearlab_tuned_eager_update": ("gearlab", {"static": True, "micro": 64, "checkpointing": False}),
+    "gearlab_fast": ("gearlab", {"engine": "fast", "compiled": True, "micro": 64, "checkpointing": False}),
+    "gearlab_fast_compiled": ("gearlab", {"engine": "fast", "fast_compile": True, "compiled": True, "micro": 64,
+                                          "checkpointing": False}),
+    # the names of earlier results files
+    "trl": ("trl", {}), "trl_static": ("trl", {"static": True}), "gearlab": ("gearlab", {}),
+    "gearlab_static": ("gearlab", {"static": True}), "gearlab_static_compiled": ("gearlab", {"static": True, "compiled": True}),
+}
+
+
+def run_variant(name: str, model_dir: Path, work: Path, iters: int, profile: bool) -> dict:
+    runner, opts = VARIANTS[name]
+    if runner == "trl":
+        import trl
+
+        return {**run_trl(model_dir, iters, work / name, **opts), "trl_version": trl.__version__}
+    return run_gearlab(model_dir, iters, profile=profile and opts.get("engine") == "fast", **opts)
+
+
+def markdown(res: dict) -> str:
+    rows = ["| variant | s / iteration | rollout s | update s | decode ms / step | peak GiB |", "|---|---|---|---|---|---|"]
+    for name in VARIANTS:
+        r = res.get(name)
+        if isinstance(r, dict) and "s_per_iter" in r:
+            cell = lambda k: f"{r[k]}" if k in r else "–"  # noqa: E731
+            rows.append(f"| {name} | **{r['s_per_iter']}** | {cell('rollout_s')} | {cell('update_s')} | "
+                        f"{cell('decode_ms_per_step')} | {cell('peak_gib')} |")
+        elif isinstance(r, dict):
+            rows.append(f"| {name} | failed: {r.get('error', '?')[:80]} | | | | |")
+    ratios = [f"{k}: {v}×" for k, v in res.items() if k.startswith("speedup_")]
+    return "\n".join(rows + ([""] + ratios if ratios else [])) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--variants", default="gearlab,gearlab_static,trl,trl_static")
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--variants", default="trl_default,trl_tuned,gearlab_tuned,gearlab_fast")
     ap.add_argument("--out", default="trl_vs_gearlab.json")
+    ap.add_argument("--md", default="", help="also write the table as Markdown to this file")
+    ap.add_argument("--profile", action="store_true", help="profile one decode step of the fast variants")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     a = ap.parse_args()
     work = Path(os.environ.get("BENCH_WORK", "/tmp")) / "gearlab_bench_model"
-    model_dir = build_model_dir(work)
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "setting":
-           f"Qwen3-0.6B shape, random bf16 weights, {PROMPTS} prompts x {G}, {PROMPT_LEN}-token prompts, {NEW} new tokens"}
-    for v in a.variants.split(","):
-        if v.startswith("gearlab"):
-            res[v] = run_gearlab(model_dir, a.iters, static="_static" in v, compiled=v.endswith("_compiled"))
-        else:
-            import trl
-
-            res["trl_version"] = trl.__version__
-            res[v] = run_trl(model_dir, a.iters, work / v, static=v.endswith("_static"))
-        print(json.dumps(res), flush=True)
-    for g in ("gearlab", "gearlab_static", "gearlab_static_compiled"):
-        for t in ("trl", "trl_static"):
-            if g in res and t in res:
+    if a.one:
+        Path(a.out).write_text(json.dumps(run_variant(a.one, work, work, a.iters, a.profile)))
+        return
+    names = a.variants.split(",")
+    for n in names:
+        if n not in VARIANTS:
+            sys.exit(f"--variants: unknown variant {n!r} (known: {', '.join(VARIANTS)})")
+    build_model_dir(work)
+    res = {"device": torch.cuda.get_device_name(0) if CUDA else "cpu (BENCH_SMOKE)", "torch": torch.__version__, "setting":
+           f"Qwen3-0.6B shape, random bf16 weights, {PROMPTS} prompts x {G}, {PROMPT_LEN}-token prompts, {NEW} new tokens",
+           "iterations": a.iters, "median_of": f"iterations 2..{a.iters}"}
+    for n in names:  # each variant in its own process: no compiled graphs, caches or allocator state carried over
+        part = work / f"{n}.json"
+        part.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part)] + (["--profile"] if a.profile else [])
+        rc = subprocess.run(cmd).returncode
+        res[n] = json.loads(part.read_text()) if rc == 0 and part.exists() else {"error": f"exit code {rc}"}
+        print(json.dumps({n: res[n]}), flush=True)
+    for g in [n for n in names if n.startswith("gearlab")]:
+        for t in [n for n in names if n.startswith("trl")]:
+            if "s_per_iter" in res[g] and "s_per_iter" in res[t]:
                 res[f"speedup_{g}_over_{t}"] = round(res[t]["s_per_iter"] / res[g]["s_per_iter"], 2)
     print(json.dumps(res), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
+    if a.md:
+        Path(a.md).write_text(markdown(res))
 
 
 if __name__ == "__main__":

@@ -183,3 +183,27 @@ def gathered_for_generation(model: nn.Module) -> Iterator[None]:
         for m in units:
             m.set_reshard_after_forward(m is not model, recurse=False)  # the root never reshards after forward
             m.reshard()
+
+
+@contextmanager
+def unsharded(model: nn.Module) -> Iterator[None]:
+    """Every parameter of an FSDP model gathered as a plain tensor for the block, for code that uses the
+    modules' weights directly rather than through their forward (``gearlab.rollout.decoder``); a collective
+    (every rank enters it). FSDP2: each unit unsharded, resharded on exit. FSDP1: ``summon_full_params``
+    (no writeback). No-op for an unsharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if is_fsdp1(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, recurse=True, writeback=False):
+            yield
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()

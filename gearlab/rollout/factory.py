@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gearlab.rollout.base import TokenGenerator
+from gearlab.rollout.fast import FastDecoder
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.multiturn import MultiTurnRolloutEngine
 from gearlab.rollout.vllm import VLLMGenerator
@@ -25,11 +26,14 @@ def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: s
 def engine_from_config(tokenizer, task: Task, cfg, *, training: bool = False) -> HFRolloutEngine:
     """``make_engine`` with the ``rollout`` / ``trainer`` settings of a gearlab Config. ``training``: the
     engine of a training run, the only one that uses ``rollout.engine=vllm`` (evaluation, inspect and
-    replay decode with HF ``generate``)."""
+    replay decode with HF ``generate`` then). ``rollout.engine=fast`` decodes the policy itself, so every
+    command uses it."""
     r = cfg.rollout
-    generator = None
+    generator: TokenGenerator | None = None
     if training and r.engine == "vllm":
         generator = VLLMGenerator.from_config(tokenizer, cfg)
+    elif r.engine == "fast":
+        generator = FastDecoder.from_config(tokenizer, cfg)
     return make_engine(tokenizer, task, batch_size=r.batch_size, reward_errors=cfg.trainer.reward_errors,
                        max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, generator=generator,
                        static_cache=training and r.static_cache)

@@ -285,6 +285,11 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     model, tok, model_name = load_policy(cfg)
+    if cfg.rollout.engine == "fast":  # before the run directory or the MLflow run exists
+        from gearlab.rollout.decoder import supports
+
+        if reason := supports(model):
+            raise ConfigError(f"key 'rollout.engine': fast decoding cannot run this model: {reason} (use rollout.engine=hf)")
     rdir.mkdir(parents=True, exist_ok=True)
     (rdir / "config.yaml").write_text(to_yaml(cfg))
     logger = make_logger(cfg, rdir, model_name=model_name)

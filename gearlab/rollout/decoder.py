@@ -1,0 +1,132 @@
+"""The forward pass of a Llama-family decoder over a static KV cache, written against the HF model's own modules.
+
+``Decoder`` reads the modules of a loaded Hugging Face causal LM (embeddings, each layer's projections, norms and
+MLP, the rotary embedding, the final norm, the head) and runs them itself, so that one decode step is a fixed
+sequence of tensor operations on fixed-shape buffers: no Python-side cache objects, no mask building, no
+host synchronisation — the form a CUDA graph can capture. The weights are the model's own tensors (nothing is
+copied), so an optimizer step that updates them in place is seen by the next step, captured graphs included.
+
+Supported: the architectures whose layers have ``self_attn.{q,k,v,o}_proj`` (optionally ``q_norm``/``k_norm``,
+Qwen3), ``input_layernorm``, ``post_attention_layernorm`` and ``mlp``, full attention only (Qwen3, Qwen2, Llama,
+SmolLM2, Mistral without a sliding window). ``supports(model)`` says whether a model qualifies; the fast engine
+refuses the others with a one-line reason.
+
+Simplifications: attention is PyTorch's ``scaled_dot_product_attention`` over the first ``L`` cache positions (a
+bucket length fixed per captured graph, ≥ the filled length) with a boolean mask; the numerics equal HF's SDPA
+path to float tolerance (tested: greedy tokens equal ``generate``'s, log-probs equal the trainer's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ARCH_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def supports(model: nn.Module) -> str | None:
+    """None if ``model`` has the layout this decoder runs; else a one-line reason why not."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None or not len(layers):
+        return f"{type(model).__name__} has no decoder layers at .{getattr(model, 'base_model_prefix', 'model')}.layers"
+    if getattr(base, "rotary_emb", None) is None or model.get_output_embeddings() is None:
+        return f"{type(model).__name__} has no shared rotary embedding or no output head"
+    cfg = model.config
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or getattr(cfg, "use_sliding_window", False):
+        return f"{type(model).__name__} uses sliding-window attention"
+    for name in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn"):
+        if not hasattr(layers[0], name):
+            return f"{type(model).__name__}'s layers have no .{name}"
+    if not all(hasattr(layers[0].self_attn, k) for k in ARCH_KEYS):
+        return f"{type(model).__name__}'s attention has no separate q/k/v/o projections"
+    return None
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer key and value buffers [B, H_kv, L_max, D] in the compute dtype."""
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class Decoder:
+    """Prefill and one-token decode steps of ``model`` over a ``KVCache`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = supports(model)
+        if reason:
+            raise ValueError(f"rollout.engine=fast: {reason}")
+        base = getattr(model, model.base_model_prefix)
+        self.model, self.base = model, base
+        self.layers = list(base.layers)
+        self.head = model.get_output_embeddings()
+        attn = self.layers[0].self_attn
+        cfg = model.config
+        self.head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations and the cache take: autocast's if it is on, else the weights'."""
+        dev = self.head.weight.device.type
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+        return self.head.weight.dtype
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        dev, dt = self.head.weight.device, self.compute_dtype()
+        shape = (batch, self.n_kv, length, self.head_dim)
+        return KVCache([torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers],
+                       [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers])
+
+    def forward(self, ids: Tensor, pos: Tensor, cache: KVCache, write_at: Tensor, length: int, mask: Tensor) -> Tensor:
+        """ids, pos [B, S] (token ids, rotary positions); the S new keys/values go to cache positions
+        ``write_at`` [S]; attention runs over cache positions [0, length) under ``mask`` [B, 1, S, length] (True =
+        attend). Returns the final-normed hidden state of the LAST of the S positions [B, H]."""
+        B, S = ids.shape
+        h = self.base.embed_tokens(ids)
+        cos, sin = self.base.rotary_emb(h, pos)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, S, D]: broadcast over heads
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(B, S, -1, self.head_dim)
+            k = a.k_proj(x).view(B, S, -1, self.head_dim)
+            v = a.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+            if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm of queries and keys before the rotation
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            kc, vc = cache.keys[i], cache.values[i]
+            kc.index_copy_(2, write_at, k.to(kc.dtype))
+            vc.index_copy_(2, write_at, v.to(vc.dtype))
+            o = F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
+                                               scale=self.scaling, enable_gqa=q.shape[1] != self.n_kv)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.base.norm(h[:, -1])
+
+    def prefill(self, ids: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
+        """Left-padded prompts ids/mask [B, P] into cache positions [0, P); returns the last position's logits
+        [B, V] float32. Positions skip the left padding (as HF ``generate`` and the trainer number them)."""
+        B, P = ids.shape
+        pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril_()
+        attend = causal[None, None] & mask.bool()[:, None, None, :]
+        attend |= torch.eye(P, dtype=torch.bool, device=ids.device)  # padding rows attend to themselves: no NaN
+        h = self.forward(ids, pos, cache, torch.arange(P, device=ids.device), P, attend)
+        return self.head(h).float()
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden).float()

@@ -1,0 +1,255 @@
+"""The fast decode path for Hugging Face models (``rollout.engine=fast``): prefill once, then decode steps over a
+static KV cache, each step captured whole as a CUDA graph on GPUs.
+
+Per call, prompts are left-padded to a multiple of 64 positions (masked: the samples do not change) and decoded
+``rollout.batch_size`` rows at a time. A step feeds every row's last token through ``gearlab.rollout.decoder``
+(attention over the first L cache positions, L the step's bucket: the filled length rounded up to ``bucket``
+tokens), samples the next token with per-row seeds (``gearlab.rollout.sampler``: row i of a call uses
+``seed + i``, as the vLLM engine) and records it with its log-prob. Rows that emitted a stop token keep running
+but write padding; the loop ends when every row is done (checked every ``check_every`` steps, the only host
+synchronisation) or after ``max_new_tokens``.
+
+On CUDA, one graph per (batch, prompt length, bucket, sampling settings) is captured on first use and replayed
+after; graphs keep pointers to the weights, which optimizer steps update in place, so they stay valid across
+iterations. A sharded (FSDP) policy is gathered once per call; its gathered tensors are new each time, so its
+graphs are captured again each call (``fast/graphs_captured`` counts captures).
+
+Returns what the other engines return: response ids [N, T] right-padded (T = the longest response), the mask of
+generated tokens (a response ends at and includes its first stop token) and the engine's log-probs of the
+sampled tokens under log_softmax(logits / T) (compared with the trainer's: ``grpo.engine_mismatch``).
+
+Simplifications: every row of a batch runs every step until all are done (no compaction of finished rows);
+autocast, if on, runs with its weight cache off (a captured graph must not replay a stale cast), so fp32 master
+weights are cast at every step — keep the policy in bf16 for speed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gearlab.parallel.distributed import unsharded
+from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, stop_token_ids
+from gearlab.rollout.decoder import Decoder, KVCache
+from gearlab.rollout.sampler import sample_rows
+
+
+@dataclass
+class _Run:
+    """The fixed-shape buffers of one (batch, prompt length, new tokens) shape; captured graphs point into them."""
+    P: int
+    T: int
+    cache: KVCache
+    tok: Tensor  # [B] the token fed to the next step
+    step: Tensor  # 0-dim: index of the token the next step samples
+    n_prompt: Tensor  # [B] real prompt tokens = rotary position of the first generated token
+    key_ok: Tensor  # [B, P+T] prompt mask, then True
+    seeds: Tensor  # [B]
+    out_tok: Tensor  # [B, T]
+    out_lp: Tensor  # [B, T]
+    done: Tensor  # [B]
+    stops: Tensor  # [S] the stop token ids (on the device: a captured graph cannot copy from the host)
+    graphs: dict[tuple, Any] = field(default_factory=dict)
+    weights: tuple = ()
+
+
+class FastDecoder:
+    """gearlab's ``TokenGenerator`` on the policy's own weights (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, *, batch_size: int = 64, cuda_graphs: str = "auto", bucket: int = 64,
+                 check_every: int = 8, compile: bool = False) -> None:
+        self.tok = tokenizer
+        self.pad_id = tokenizer.pad_token_id
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.batch_size = batch_size
+        self.cuda_graphs = cuda_graphs  # auto (on with CUDA) | on | off
+        self.bucket = bucket
+        self.check_every = check_every
+        self.compile = compile
+        self._runs: dict[tuple, _Run] = {}
+        self._decoder: Decoder | None = None
+        self._pool = None
+        self._step_fn = self._step
+        self._stats: dict[str, float] = {}
+        self._captured = 0
+
+    @classmethod
+    def from_config(cls, tokenizer: Any, cfg: Any) -> "FastDecoder":
+        f = cfg.rollout.fast
+        return cls(tokenizer, batch_size=cfg.rollout.batch_size, cuda_graphs=f.cuda_graphs, bucket=f.bucket,
+                   check_every=f.check_every, compile=f.compile)
+
+    # -- the TokenGenerator protocol ------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
+               seed: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Left-padded prompts [N, P] → (response ids [N, T] right-padded, mask [N, T] bool, the engine's log-probs
+        of the sampled tokens [N, T] float32, 0 on padding)."""
+        was_training = model.training
+        model.eval()
+        t0 = time.perf_counter()
+        steps = 0
+        outs: list[tuple[Tensor, Tensor]] = []
+        try:
+            with unsharded(model):
+                dec = self._decoder_for(model)
+                dev = dec.head.weight.device
+                ids, mask = pad_left_to(prompt_ids, prompt_mask, STATIC_PAD, self.pad_id)
+                for s in range(0, ids.shape[0], self.batch_size):
+                    rows = slice(s, s + self.batch_size)
+                    seeds = (seed + torch.arange(s, min(s + self.batch_size, ids.shape[0]))) % (2**63 - 1)
+                    tok, lp, n = self._decode(dec, ids[rows].to(dev), mask[rows].to(dev), seeds.to(dev), sampling)
+                    outs.append((tok.cpu(), lp.cpu()))
+                    steps += n
+        finally:
+            model.train(was_training)
+            if not self._graphs_on(model):
+                self._runs.clear()
+        elapsed = time.perf_counter() - t0
+        self._stats = {"fast/decode_s": elapsed, "fast/steps": float(steps),
+                       "fast/ms_per_step": 1000 * elapsed / max(1, steps), "fast/graphs_captured": float(self._captured)}
+        if not outs:
+            return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool), torch.zeros((0, 1))
+        T = max(1, max(int(self._lengths(t).max()) if t.numel() else 0 for t, _ in outs))
+        resp = torch.cat([t[:, :T] for t, _ in outs])
+        lps = torch.cat([lp[:, :T] for _, lp in outs])
+        rmask = torch.arange(T)[None] < self._lengths(resp)[:, None]
+        return resp.masked_fill(~rmask, self.pad_id), rmask, lps.masked_fill(~rmask, 0.0)
+
+    def release(self) -> None:
+        """Nothing to free by default: the cache and graphs are reused by the next rollout of the same shape."""
+
+    def mark_stale(self) -> None:
+        """Nothing to sync: the decoder reads the policy's own tensors, updated in place by the optimizer."""
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def free(self) -> None:
+        """Drop every cache and captured graph (their GPU memory returns to PyTorch's allocator)."""
+        self._runs.clear()
+        self._pool = None
+
+    # -- decoding -------------------------------------------------------------------------------
+    def _lengths(self, tok: Tensor) -> Tensor:
+        """[B, T] sampled ids (padding after a stop) → response length per row, the stop token included."""
+        is_stop = torch.isin(tok, torch.tensor(self.stop_ids))
+        T = tok.shape[1]
+        first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.full((tok.shape[0],), T))
+        return first
+
+    def _graphs_on(self, model: nn.Module) -> bool:
+        dev = next(model.parameters()).device
+        return dev.type == "cuda" and self.cuda_graphs != "off"
+
+    def _decoder_for(self, model: nn.Module) -> Decoder:
+        if self._decoder is None or self._decoder.model is not model:
+            self._decoder = Decoder(model)
+            self._runs.clear()
+            if self.compile:
+                self._step_fn = torch.compile(self._step, dynamic=False)
+        return self._decoder
+
+    def _decode(self, dec: Decoder, ids: Tensor, mask: Tensor, seeds: Tensor, sp: SamplingParams) -> tuple[Tensor, Tensor, int]:
+        """One batch: prefill, then decode steps. Returns (tokens [B, T], log-probs [B, T], steps run)."""
+        B, P = ids.shape
+        T = sp.max_new_tokens
+        run = self._run_for(dec, B, P, T)
+        graphs = self._graphs_on(dec.model)
+        key = (sp.temperature, sp.top_k, sp.top_p, sp.greedy)
+        dev_type = ids.device.type
+        autocast = torch.is_autocast_enabled(dev_type)
+        with torch.autocast(dev_type, dtype=torch.get_autocast_dtype(dev_type), enabled=autocast, cache_enabled=False):
+            if graphs:
+                self._ensure_graphs(dec, run, sp, key)
+            run.n_prompt.copy_(mask.sum(1))
+            run.key_ok[:, :P].copy_(mask.bool())
+            run.seeds.copy_(seeds)
+            run.out_tok.fill_(self.pad_id)
+            run.out_lp.zero_()
+            run.done.zero_()
+            run.step.zero_()
+            logits = dec.prefill(ids, mask, run.cache)
+            self._emit(run, logits, sp)  # token 0, from the prompt's last position
+            n = 1
+            while n < T:
+                if n % self.check_every == 0 and bool(run.done.all()):
+                    break
+                j = (n - 1) // self.bucket
+                if graphs:
+                    run.graphs[key + (j,)].replay()
+                else:
+                    self._step_fn(dec, run, self._bucket_len(run, j), sp)
+                n += 1
+        return run.out_tok.clone(), run.out_lp.clone(), n
+
+    def _bucket_len(self, run: _Run, j: int) -> int:
+        return run.P + min((j + 1) * self.bucket, run.T)
+
+    def _run_for(self, dec: Decoder, B: int, P: int, T: int) -> _Run:
+        key = (B, P, T)
+        run = self._runs.get(key)
+        if run is None:
+            self._runs.clear()  # one shape's buffers at a time: multi-turn calls vary the shape
+            dev = dec.head.weight.device
+            lng = dict(dtype=torch.long, device=dev)
+            run = _Run(P=P, T=T, cache=dec.new_cache(B, P + T), tok=torch.zeros(B, **lng), step=torch.zeros((), **lng),
+                       n_prompt=torch.zeros(B, **lng), key_ok=torch.ones(B, P + T, dtype=torch.bool, device=dev),
+                       seeds=torch.zeros(B, **lng), out_tok=torch.zeros(B, T, **lng),
+                       out_lp=torch.zeros(B, T, dtype=torch.float32, device=dev),
+                       done=torch.zeros(B, dtype=torch.bool, device=dev),
+                       stops=torch.tensor(self.stop_ids, **lng))
+            self._runs[key] = run
+        return run
+
+    def _emit(self, run: _Run, logits: Tensor, sp: SamplingParams) -> None:
+        """Sample token ``run.step`` from logits [B, V], record it, advance the step (no host sync)."""
+        tok, lp = sample_rows(logits, run.seeds, run.step, temperature=sp.temperature, top_k=sp.top_k,
+                              top_p=sp.top_p, greedy=sp.greedy)
+        tok = torch.where(run.done, self.pad_id, tok)
+        lp = lp.masked_fill(run.done, 0.0)
+        at = run.step.reshape(1)
+        run.out_tok.index_copy_(1, at, tok[:, None])
+        run.out_lp.index_copy_(1, at, lp[:, None])
+        run.done |= (tok[:, None] == run.stops[None]).any(-1)
+        run.tok.copy_(tok)
+        run.step.add_(1)
+
+    def _step(self, dec: Decoder, run: _Run, length: int, sp: SamplingParams) -> None:
+        """Decode one token for every row: feed ``run.tok`` (cache position P + step - 1), sample token ``step``."""
+        at = run.P + run.step - 1
+        pos = (run.n_prompt + run.step - 1)[:, None]
+        visible = run.key_ok[:, :length] & (torch.arange(length, device=at.device) <= at)
+        hidden = dec.forward(run.tok[:, None], pos, run.cache, at.reshape(1), length, visible[:, None, None, :])
+        self._emit(run, dec.logits(hidden), sp)
+
+    def _ensure_graphs(self, dec: Decoder, run: _Run, sp: SamplingParams, key: tuple) -> None:
+        """Capture the decode step of every bucket for this shape and sampling setting (once; again if the
+        weights' storage moved, as a re-gathered FSDP policy's does)."""
+        weights = tuple(p.data_ptr() for p in dec.model.parameters())
+        if weights != run.weights:
+            run.graphs.clear()
+            run.weights = weights
+        n_buckets = -(-max(1, run.T - 1) // self.bucket)
+        if all(key + (j,) in run.graphs for j in range(n_buckets)):
+            return
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        for j in range(n_buckets):
+            length = self._bucket_len(run, j)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture (library handles, compiled kernels)
+                for _ in range(2):
+                    run.step.fill_(1)
+                    self._step_fn(dec, run, length, sp)
+            torch.cuda.current_stream().wait_stream(side)
+            run.step.fill_(1)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step_fn(dec, run, length, sp)
+            run.graphs[key + (j,)] = graph
+            self._captured += 1

@@ -1,0 +1,77 @@
+"""Per-row seeded sampling from logits, with no host synchronisation (so a CUDA graph can hold it).
+
+Row ``b`` of a call draws its token at decode step ``t`` by inverse-CDF sampling with the uniform
+``u = hash(seed_b, t)``: a counter-based generator, a pure function of integers computed with tensor ops, so
+the same (seed, step) gives the same uniform on any device and in any batch. A row's samples therefore depend
+only on its seed, its prompt and the weights — not on which other rows share the batch, the batch size or the
+decode chunking — which is what keeps paired runs paired (each row gets ``seed + row``, as the vLLM engine does).
+
+Conventions (the trainer's, docs/grpo.md): the sampled distribution is exactly softmax(logits / T), narrowed
+by top-k / top-p only when those are set; the log-prob returned for a sampled token is log_softmax(logits / T)
+at that token, over the FULL vocabulary (what the trainer's forward computes), also when top-k / top-p narrowed
+the draw. Greedy decoding takes the argmax (lowest id on ties, as ``torch.argmax``).
+
+Simplifications: the uniform has 24 random bits (a float32's resolution, the same as the float32 CDF it is
+compared with); the hash is the 32-bit "lowbias" integer mixer applied three times, not a cryptographic
+generator — its uniformity is tested, not proven.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash on int64 tensors holding values in [0, 2^32). The multipliers are < 2^31, so no
+    product overflows int64 (overflow would be undefined behaviour in the kernels)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x46CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_uniforms(seeds: Tensor, step: Tensor) -> Tensor:
+    """Uniforms in [0, 1) [B] float32, one per row, from per-row seeds [B] int64 (≥ 0) and the decode step
+    (a 0-dim or [B] int64 tensor). Deterministic and device-independent."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _mix32((step.to(torch.int64) * 0x9E3779B + 0x2545F491) & _M32)
+    h = _mix32(h ^ hi)
+    h = _mix32(h ^ lo)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def narrow(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """[B, V] tempered logits with the tokens outside top-k / the top-p nucleus set to -inf (no-op when off).
+    top-p keeps the smallest set of most likely tokens whose mass reaches p (always the most likely one)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_rows(logits: Tensor, seeds: Tensor, step: Tensor, *, temperature: float, top_k: int = 0,
+                top_p: float = 1.0, greedy: bool = False) -> tuple[Tensor, Tensor]:
+    """Draw one token per row. logits [B, V] (any float dtype; computed in float32), seeds [B] int64, step: the
+    decode step (0-dim int64). Returns (tokens [B] int64, log-probs [B] float32 of those tokens under
+    log_softmax(logits / T))."""
+    z = logits.float() / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    if greedy:
+        tok = torch.argmax(logits, dim=-1)
+    else:
+        probs = torch.softmax(narrow(z, top_k, top_p), dim=-1)
+        cdf = probs.cumsum(-1)
+        # scaled to the CDF's own total so float rounding can neither push u past the last token nor bias it
+        u = row_uniforms(seeds, step) * cdf[:, -1]
+        tok = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)

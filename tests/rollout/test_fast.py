@@ -1,0 +1,150 @@
+"""The fast decode path (rollout.engine=fast) is the same sampler: greedy tokens equal HF ``generate``'s, the
+log-probs of sampled tokens equal the trainer's, a row's samples depend on its seed alone (not on the batch),
+responses end at their first stop token as HF's do, and a real training run and a multi-turn rollout go
+through it. (The CUDA-graph capture and its speed are exercised by experiments/bench/trl_vs_gearlab.py on a GPU.)"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from gearlab.core.logprobs import response_hidden, token_logprobs
+from gearlab.rollout.base import SamplingParams
+from gearlab.rollout.fast import FastDecoder
+from gearlab.rollout.hf import HFRolloutEngine
+from gearlab.tasks.registry import get_task
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer, tiny_model_factory):
+    model = tiny_model_factory(0).eval()
+    task = get_task("arith")
+    eng = HFRolloutEngine(tokenizer, task, batch_size=8)
+    ids, mask = eng.encode_prompts(task.problems("train", 7, seed=2))
+    return model, eng, ids, mask
+
+
+def _trainer_logprobs(model, ids, mask, resp, rmask, temperature):
+    x = torch.cat([ids, resp], 1)
+    am = torch.cat([mask.bool(), rmask], 1).long()
+    with torch.no_grad():
+        h = response_hidden(model, x, am, ids.shape[1], resp.shape[1])
+        return token_logprobs(h, model.get_output_embeddings(), resp, temperature=temperature)[0]
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_greedy_tokens_equal_hf_generate(setup, tokenizer, batch_size):
+    model, eng, ids, mask = setup
+    sp = SamplingParams(max_new_tokens=24, greedy=True)
+    ref, ref_mask = eng.sample(model, ids, mask, sp, seed=0)
+    resp, rmask, lp = FastDecoder(tokenizer, batch_size=batch_size, bucket=8).sample(model, ids, mask, sp, seed=0)
+    assert torch.equal(rmask, ref_mask) and torch.equal(resp, ref)
+
+
+def test_responses_end_at_the_first_stop_token_as_hf(setup, tokenizer):
+    """Tokens the random model emits are made stop tokens: greedy responses equal HF's (layout included), and
+    sampled rows stop, at different steps, exactly where their unstopped twins first drew a stop token."""
+    model, eng, ids, mask = setup
+    out, _ = eng.sample(model, ids, mask, SamplingParams(max_new_tokens=24, greedy=True), seed=0)
+    firsts = lambda t: {row.index(t) if t in row else -1 for row in out.tolist()}  # noqa: E731
+    stop = max(set(out.flatten().tolist()), key=lambda t: len(firsts(t)))  # (greedy rows of a random model repeat)
+    stops = sorted(set(eng._stop_ids()) | {stop})
+    eng_stop = HFRolloutEngine(tokenizer, eng.task, batch_size=8)
+    eng_stop._stop_ids = lambda: stops
+    fast = FastDecoder(tokenizer, batch_size=4, bucket=8, check_every=2)
+    fast.stop_ids = stops
+    sp = SamplingParams(max_new_tokens=24, greedy=True)
+    ref, ref_mask = eng_stop.sample(model, ids, mask, sp, seed=0)
+    resp, rmask, lp = fast.sample(model, ids, mask, sp, seed=0)
+    assert rmask.sum(1).min() < 24  # (a random model's greedy rows repeat one token: they may all stop at once)
+    assert torch.equal(rmask, ref_mask) and torch.equal(resp, ref)
+
+    sp = SamplingParams(max_new_tokens=24)
+    free, _, free_lp = FastDecoder(tokenizer, batch_size=4).sample(model, ids, mask, sp, seed=7)
+    cut = {int(free[i, k]) for i, k in ((0, 3), (2, 9), (4, 15))}  # tokens drawn mid-response by some rows
+    fast.stop_ids = sorted(set(eng._stop_ids()) | cut)
+    resp, rmask, lp = fast.sample(model, ids, mask, sp, seed=7)
+    lengths = rmask.sum(1)
+    for i in range(len(ids)):
+        hits = [k for k, t in enumerate(free[i].tolist()) if t in fast.stop_ids]
+        n = hits[0] + 1 if hits else 24
+        assert lengths[i] == n and torch.equal(resp[i, :n], free[i, :n]) and torch.allclose(lp[i, :n], free_lp[i, :n], atol=1e-5)
+    assert len(set(lengths.tolist())) > 1 and resp.shape[1] == lengths.max()  # as wide as the longest, as HF's
+    assert (lp[~rmask] == 0).all() and (resp[~rmask] == tokenizer.pad_token_id).all()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9)])
+def test_sampled_logprobs_equal_the_trainers(setup, tokenizer, temperature, top_p):
+    model, _, ids, mask = setup
+    sp = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p)
+    resp, rmask, lp = FastDecoder(tokenizer, batch_size=4, bucket=8).sample(model, ids, mask, sp, seed=11)
+    ref = _trainer_logprobs(model, ids, mask, resp, rmask, temperature)
+    assert (lp - ref)[rmask].abs().max() < 1e-5
+
+
+def test_a_rows_samples_depend_on_its_seed_alone(setup, tokenizer):
+    """Row i of a call draws with seed + i: the same row, alone or in another batch, with any decode batch size
+    or bucket, gets the same tokens; another seed gives other tokens."""
+    model, _, ids, mask = setup
+    sp = SamplingParams(max_new_tokens=20)
+    full, fmask, flp = FastDecoder(tokenizer, batch_size=8, bucket=8).sample(model, ids, mask, sp, seed=100)
+    again = FastDecoder(tokenizer, batch_size=2, bucket=64).sample(model, ids, mask, sp, seed=100)
+    assert torch.equal(full, again[0]) and torch.allclose(flp, again[2], atol=1e-6)
+    part, pmask, _ = FastDecoder(tokenizer, batch_size=8).sample(model, ids[3:5], mask[3:5], sp, seed=103)
+    n = pmask.shape[1]
+    assert torch.equal(part, full[3:5, :n]) and torch.equal(pmask, fmask[3:5, :n])
+    other = FastDecoder(tokenizer).sample(model, ids, mask, sp, seed=101)[0]
+    assert not torch.equal(other, full)
+
+
+def test_top_k_one_is_greedy(setup, tokenizer):
+    model, _, ids, mask = setup
+    fast = FastDecoder(tokenizer, batch_size=8)
+    g = fast.sample(model, ids, mask, SamplingParams(max_new_tokens=16, greedy=True), seed=0)[0]
+    k1 = fast.sample(model, ids, mask, SamplingParams(max_new_tokens=16, top_k=1), seed=5)[0]
+    assert torch.equal(g, k1)
+
+
+def test_multi_turn_rollout_through_the_fast_path(tokenizer, tiny_model_factory):
+    from gearlab.rollout.factory import make_engine
+
+    task = get_task("tool_arith")
+    problems = task.problems("train", 3, seed=0)
+    model = tiny_model_factory(0).eval()
+    sp = SamplingParams(max_new_tokens=12, greedy=True)
+    ref = make_engine(tokenizer, task, max_turns=3).generate(model, problems, group_size=2, sampling=sp, seed=0)
+    fast = make_engine(tokenizer, task, max_turns=3, generator=FastDecoder(tokenizer, bucket=8))
+    rb = fast.generate(model, problems, group_size=2, sampling=sp, seed=0)
+    assert torch.equal(rb.response_ids, ref.response_ids) and torch.equal(rb.response_mask, ref.response_mask)
+    assert torch.equal(rb.turn_ids, ref.turn_ids)
+    lp = _trainer_logprobs(model, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.attention_mask, 1.0)
+    assert (lp - rb.rollout_logprobs)[rb.response_mask].abs().max() < 1e-5  # with tool text in the context
+
+
+def test_gearlab_train_with_the_fast_path(tmp_path, tiny_model_dir):
+    import mlflow
+
+    from gearlab.config import load_config
+    from gearlab.trainer.train import train
+
+    cfg = load_config(["rollout.engine=fast", f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
+                       "trainer.max_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                       "rollout.max_new_tokens=16", "trainer.progress_bar=false", "eval.num_problems=4",
+                       "algorithm.engine_is=token_truncate"])
+    res = train(cfg)
+    m = mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).data.metrics
+    assert m["fast/steps"] > 0 and m["fast/decode_s"] > 0
+    # the engine decodes the trainer's current weights (after the first optimizer step too)
+    assert m["update/engine_lp_diff_abs"] < 1e-5 and m["update/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["train/iteration"] == 2 and "eval/greedy_accuracy" in m
+
+
+def test_config_keys():
+    from gearlab.config import ConfigError, load_config
+
+    assert load_config(["rollout.engine=fast", "algorithm.engine_is=icepop"]).rollout.fast.bucket == 64
+    for bad in (["rollout.engine=fast", "rollout.fast.bucket=0"], ["rollout.fast.cuda_graphs=maybe"],
+                ["rollout.engine=fastest"]):
+        with pytest.raises(ConfigError):
+            load_config(bad)
