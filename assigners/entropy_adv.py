@@ -41,6 +41,9 @@ class EntropyAdvantageAssigner(CreditAssigner):
 
     Options = EntropyAdvOptions
 
+    def chunk_local(self, rows: int) -> bool:
+        return True  # ψ_{i,t} depends on row i alone; no loss mask
+
     def assign(self, batch: RolloutBatch, seq_advantages: Tensor, signals: dict[Signal, Tensor]) -> CreditOutput:
         mask = batch.response_mask  # [B, T] bool
         m = mask.float()

@@ -77,6 +77,11 @@ class EntropyForkAssigner(CreditAssigner):
         if self.scope == "micro_batch" and self.micro_batch_size is None:
             raise OptionError("assigner.options.micro_batch_size", "scope='micro_batch' needs a positive micro_batch_size")
 
+    def chunk_local(self, rows: int) -> bool:
+        # micro-batch scope selects within chunks of micro_batch_size rows; the paper normaliser's loss mask would
+        # have to be counted before the update's forwards, so only the "trl" normaliser qualifies
+        return self.scope == "micro_batch" and self.normaliser == "trl" and rows % (self.micro_batch_size or 1) == 0
+
     def select(self, entropy: Tensor, mask: Tensor) -> Tensor:
         """[B, T] bool selection M (subset of ``mask``) under the configured scope."""
         if self.scope == "batch":

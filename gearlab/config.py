@@ -141,6 +141,10 @@ class OptimConfig:
 @dataclass
 class SignalConfig:
     chunk_size: int = 256  # positions per chunk for log-probs / entropy / KL (never a full B×T×V fp32 tensor)
+    # true: on-policy runs of a method that needs only the policy's entropy and can be assigned micro-batch by
+    # micro-batch (entropy_adv; entropy_fork with scope=micro_batch, normaliser=trl) take the entropy from the
+    # update's own forward, with no separate pass | false: always a separate no-grad pass
+    entropy_in_forward: bool = True
 
 
 @dataclass

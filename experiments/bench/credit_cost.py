@@ -52,14 +52,19 @@ def timed(fn, dev, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def update_pass(model, batch: RolloutBatch, adv, micro: int, temperature: float, chunk: int) -> None:
-    """Forward + backward of the clipped surrogate over the batch in micro-batches (gradients accumulate)."""
+def update_pass(model, batch: RolloutBatch, adv, micro: int, temperature: float, chunk: int, assign=None) -> None:
+    """Forward + backward of the clipped surrogate over the batch in micro-batches (gradients accumulate).
+    ``assign`` (in-forward credit, as the trainer's ``signals.entropy_in_forward``): a function (micro-batch, its
+    rows, entropy) → token advantages, fed by the entropy of the update's own forward; then ``adv`` is unused."""
     model.train()
     for s in range(0, batch.batch_size, micro):
-        mb = batch.select(torch.arange(s, min(s + micro, batch.batch_size)))
+        rows = torch.arange(s, min(s + micro, batch.batch_size), device=batch.response_ids.device)
+        mb = batch.select(rows)
         h = response_hidden(model, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len)
-        lp, _ = token_logprobs(h, model.get_output_embeddings(), mb.response_ids, temperature=temperature, chunk_size=chunk)
-        loss, _ = policy_loss(lp, lp.detach(), adv[s:s + micro], mb.response_mask,
+        lp, ent = token_logprobs(h, model.get_output_embeddings(), mb.response_ids, temperature=temperature,
+                                 chunk_size=chunk, with_entropy=assign is not None)
+        a = adv[s:s + micro] if assign is None else assign(mb, rows, ent.detach().float())
+        loss, _ = policy_loss(lp, lp.detach(), a, mb.response_mask,
                               global_tokens=batch.response_mask.sum().float())
         loss.backward()
     model.zero_grad(set_to_none=True)
@@ -185,12 +190,18 @@ def main() -> None:
         asg_s, _ = timed(lambda: a.assign(rb, adv, sig), dev, p["repeats"])
         peak = peak_of(lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts))
         extra_off = sig_s + asg_s - old_s
+        in_fwd = {}
+        if set(a.needs) == {credit.Signal.ENTROPY} and a.chunk_local(p["micro"]):
+            hook = lambda mb, r, ent: a.assign(mb, adv[r], {credit.Signal.ENTROPY: ent}).token_advantages  # noqa: E731
+            fwd_s, _ = timed(lambda: update_pass(model, rb, tadv, p["micro"], temperature, p["chunk"], assign=hook), dev, p["repeats"])
+            in_fwd = {"entropy_in_forward_update_s": round(fwd_s, 4),
+                      "extra_vs_grpo_onpolicy_in_forward": round((fwd_s - upd_s) / upd_s, 4)}
         rows.append({
             "assigner": name, "needs": sorted(s.value for s in a.needs),
             "signal_pass_s": round(sig_s, 4), "assign_s": round(asg_s, 4),
             "extra_vs_grpo_offpolicy": round(extra_off / (old_s + upd_s), 4),
             "extra_vs_grpo_onpolicy": round((sig_s + asg_s) / upd_s, 4) if a.needs else round(asg_s / upd_s, 4),
-            "signal_peak_gib_over_forward": None if peak is None else round(peak - fwd_peak, 3),
+            "signal_peak_gib_over_forward": None if peak is None else round(peak - fwd_peak, 3), **in_fwd,
         })
         print(json.dumps(rows[-1]), flush=True)
     result = {
@@ -204,11 +215,12 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
-    print("\n| assigner | signals | extra vs GRPO (π_old pass + update) | extra vs on-policy GRPO (update only) | signal peak over fwd (GiB) |\n|---|---|---|---|---|")
+    print("\n| assigner | signals | extra vs GRPO (π_old pass + update) | extra vs on-policy GRPO (update only) | "
+          "same, entropy from the update's forward | signal peak over fwd (GiB) |\n|---|---|---|---|---|---|")
     for r in rows:
-        if True:
-            print(f"| {r['assigner']} | {', '.join(r['needs']) or '–'} | {r['extra_vs_grpo_offpolicy']:+.1%} | "
-                  f"{r['extra_vs_grpo_onpolicy']:+.1%} | {r['signal_peak_gib_over_forward']} |")
+        fwd = f"{r['extra_vs_grpo_onpolicy_in_forward']:+.1%}" if "extra_vs_grpo_onpolicy_in_forward" in r else "–"
+        print(f"| {r['assigner']} | {', '.join(r['needs']) or '–'} | {r['extra_vs_grpo_offpolicy']:+.1%} | "
+              f"{r['extra_vs_grpo_onpolicy']:+.1%} | {fwd} | {r['signal_peak_gib_over_forward']} |")
     print(f"\nwrote {out}")
 
 

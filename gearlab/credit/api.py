@@ -76,6 +76,13 @@ class CreditAssigner(ABC):
         for f in dataclasses.fields(self.Options):
             setattr(self, f.name, getattr(self.options, f.name))
 
+    def chunk_local(self, rows: int) -> bool:
+        """True if ``assign`` called on consecutive chunks of ``rows`` rows, one chunk at a time, returns exactly
+        those rows of one whole-batch call (given the same signals), and returns no loss mask. The trainer may then
+        take the policy's entropy from the update's own forward instead of a separate pass (on-policy runs,
+        ``signals.entropy_in_forward``). The default, False, is always safe."""
+        return False
+
     def signal_options(self) -> dict[str, Any]:
         """Options for the signal computations (e.g. saliency noise); read by the SignalProvider."""
         return {}

@@ -111,8 +111,16 @@ class Decoder:
             kc, vc = cache.keys[i], cache.values[i]
             kc.index_copy_(2, write_at, k.to(kc.dtype))
             vc.index_copy_(2, write_at, v.to(vc.dtype))
-            o = F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
-                                               scale=self.scaling, enable_gqa=q.shape[1] != self.n_kv)
+            H = q.shape[1]
+            if S == 1 and H != self.n_kv:
+                # one decode position: the query heads sharing a K/V head become that head's "query positions", so
+                # each K/V head is read once and no expanded copy exists (head h uses K/V head h // (H / H_kv), as HF)
+                qg = q.reshape(B, self.n_kv, H // self.n_kv, self.head_dim)
+                o = F.scaled_dot_product_attention(qg, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
+                                                   scale=self.scaling).reshape(B, H, 1, self.head_dim)
+            else:
+                o = F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
+                                                   scale=self.scaling, enable_gqa=H != self.n_kv)
             h = h + a.o_proj(o.transpose(1, 2).reshape(B, S, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.base.norm(h[:, -1])

@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 from gearlab.core import grpo
 from gearlab.core.batch import RolloutBatch
 from gearlab.config import Config
-from gearlab.credit import CreditAssigner
+from gearlab.credit import CreditAssigner, CreditOutput, Signal
 from gearlab.credit.diagnostics import credit_diagnostics
 from gearlab.parallel.distributed import gathered_for_generation, global_max_int, is_fsdp1
 from gearlab.core.logprobs import response_hidden, token_logprobs
@@ -162,23 +162,30 @@ class GRPOModule(L.LightningModule):
 
         t1 = time.perf_counter()
         on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
-        ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy, teacher=self.teacher.model,
-                                              options={"seed": step_seed(cfg.trainer.seed, it, rank), **self.assigner.signal_options()})
+        in_forward = self._entropy_in_forward(on_policy)
+        ppass, signals = None, {}
+        if not in_forward:
+            ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy, teacher=self.teacher.model,
+                                                  options={"seed": step_seed(cfg.trainer.seed, it, rank), **self.assigner.signal_options()})
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)
         if self.ref_signals is not None:
             rb = rb.with_(ref_logprobs=self.ref_signals.compute(rb, frozenset())[0].logprobs)
 
-        credit = self.assigner.assign(rb, seq_adv, signals)
-        adv = credit.token_advantages.to(self.device).float()
-        loss_mask = rb.response_mask if credit.loss_mask is None else (credit.loss_mask.bool() & rb.response_mask)
-        if adv.shape != rb.response_ids.shape:
-            raise ValueError(f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected {tuple(rb.response_ids.shape)}")
-        # the method's own diagnostics, then the same statistics for every method (the core's, not the assigner's)
-        credit.metrics = {**credit.metrics, **credit_diagnostics(adv, seq_adv, rb.response_mask, loss_mask)}
+        credit: CreditOutput | None = None
+        adv, loss_mask = None, rb.response_mask
+        if not in_forward:  # (else the credit is assigned micro-batch by micro-batch inside the update)
+            credit = self.assigner.assign(rb, seq_adv, signals)
+            adv = self._checked(credit.token_advantages, rb)
+            loss_mask = rb.response_mask if credit.loss_mask is None else (credit.loss_mask.bool() & rb.response_mask)
 
         t2 = time.perf_counter()
-        upd = self._update(rb, adv, loss_mask, it)
+        upd = self._update(rb, adv, loss_mask, it, seq_adv=seq_adv if in_forward else None)
+        if in_forward:
+            credit, upd["signals/entropy_in_forward"] = self._forward_credit, 1.0
+            adv = credit.token_advantages
+        # the method's own diagnostics, then the same statistics for every method (the core's, not the assigner's)
+        credit.metrics = {**credit.metrics, **credit_diagnostics(adv, seq_adv, rb.response_mask, loss_mask)}
         if self.generator is not None:
             self.generator.mark_stale()  # the next rollout first syncs the new weights into the engine
             upd.update(self.generator.stats())
@@ -202,9 +209,29 @@ class GRPOModule(L.LightningModule):
         upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
         self._log_iteration(rb, seq_adv, credit.metrics, upd)
 
-    def _update(self, rb: RolloutBatch, adv: Tensor, loss_mask: Tensor, it: int) -> dict[str, float]:
-        """ppo_epochs × mini_batches optimizer steps over the rollout; returns averaged diagnostics."""
+    def _entropy_in_forward(self, on_policy: bool) -> bool:
+        """Whether this iteration's credit takes the policy's entropy from the update's forward (one pass fewer):
+        on-policy, the method needs nothing else, and it can be assigned micro-batch by micro-batch in order."""
         alg = self.cfg.algorithm
+        return (self.cfg.signals.entropy_in_forward and on_policy and alg.micro_batch_tokens == 0
+                and set(self.assigner.needs) == {Signal.ENTROPY} and self.assigner.chunk_local(alg.micro_batch_size))
+
+    def _checked(self, adv: Tensor, rb: RolloutBatch) -> Tensor:
+        adv = adv.to(self.device).float()
+        if adv.shape != rb.response_ids.shape:
+            raise ValueError(f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected {tuple(rb.response_ids.shape)}")
+        return adv
+
+    def _update(self, rb: RolloutBatch, adv: Tensor | None, loss_mask: Tensor, it: int, seq_adv: Tensor | None = None) -> dict[str, float]:
+        """ppo_epochs × mini_batches optimizer steps over the rollout; returns averaged diagnostics.
+
+        adv None (with ``seq_adv`` [B]): the credit is assigned inside the update, each micro-batch from the entropy
+        of its own forward (``_entropy_in_forward``); the advantages and the method's metrics (averaged over
+        micro-batches) are left in ``self._forward_credit``."""
+        alg = self.cfg.algorithm
+        if adv is None:
+            adv = torch.zeros(rb.response_ids.shape, device=self.device)
+            credit_logs: dict[str, list[float]] = {}
         opt = self.optimizers()
         sched = self.lr_schedulers()
         B = rb.batch_size
@@ -228,7 +255,17 @@ class GRPOModule(L.LightningModule):
                     empty = j >= len(chunks)
                     mi = idx[:1] if empty else chunks[j]
                     mask_j = torch.zeros_like(loss_mask[mi]) if empty else loss_mask[mi]
-                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], mask_j, counts)
+                    hook = None
+                    if seq_adv is not None and not empty:
+                        def hook(mb: RolloutBatch, ent: Tensor, mi: Tensor = mi) -> Tensor:
+                            out = self.assigner.assign(mb, seq_adv[mi], {Signal.ENTROPY: ent})
+                            if out.loss_mask is not None:
+                                raise ValueError(f"assigner {self.assigner.name!r} declared chunk_local but returned a loss mask")
+                            adv[mi] = self._checked(out.token_advantages, mb).detach()
+                            for k, v in out.metrics.items():
+                                credit_logs.setdefault(k, []).append(float(v))
+                            return adv[mi]
+                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], mask_j, counts, assign=hook)
                     if empty:
                         loss = loss * 0.0  # takes part in the collectives, contributes nothing
                         metrics = {}
@@ -251,11 +288,16 @@ class GRPOModule(L.LightningModule):
                     logs.setdefault("grad_norm", []).append(float(gn))
                 opt.step()
                 sched.step()
+        if seq_adv is not None:
+            self._forward_credit = CreditOutput(token_advantages=adv, metrics={k: sum(v) / len(v) for k, v in credit_logs.items()})
         return {k: sum(v) / len(v) for k, v in logs.items()}
 
-    def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, counts: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
+    def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, counts: dict[str, tuple[Tensor, Tensor]],
+                    assign: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, already divided by the global counts: the policy-gradient term over
-        the assigner's loss mask, KL and entropy bonus over every generated token (as verl / the 80/20 code)."""
+        the assigner's loss mask, KL and entropy bonus over every generated token (as verl / the 80/20 code).
+        ``assign``: a function (micro-batch, entropy [b, T] detached) → advantages [b, T], called between the forward
+        and the loss (in-forward credit); then ``adv`` is ignored."""
         alg = self.cfg.algorithm
         dp = self.trainer.world_size if self._trainer is not None else 1
         pg_counts = dict(global_tokens=counts["pg"][0], global_seqs=counts["pg"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
@@ -264,7 +306,9 @@ class GRPOModule(L.LightningModule):
                                  packed=alg.packed)
         logp, ent = token_logprobs(hidden, self.policy.get_output_embeddings(), mb.response_ids,
                                    temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
-                                   with_entropy=alg.entropy_coef > 0, compiled=self.cfg.trainer.compile)
+                                   with_entropy=alg.entropy_coef > 0 or assign is not None, compiled=self.cfg.trainer.compile)
+        if assign is not None:
+            adv = assign(mb, ent.detach().float())
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
         is_w, mismatch = None, {}
         if mb.rollout_logprobs is not None:  # sampled by another engine (vLLM): its log-probs vs the trainer's

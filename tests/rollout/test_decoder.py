@@ -2,6 +2,7 @@
 the Qwen3 and Llama layouts, and it names what it cannot run."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -36,8 +37,10 @@ def test_prefill_logits_equal_the_hf_forward(tiny_model_factory, tokenizer):
         assert torch.allclose(ours, ref.float(), atol=2e-5), (ours - ref).abs().max()
 
 
-def test_one_decode_step_equals_the_forward_over_the_longer_sequence(tiny_model_factory, tokenizer):
-    model = tiny_model_factory(0).eval()
+@pytest.mark.parametrize("arch", ["qwen3", "llama_gqa"])
+def test_one_decode_step_equals_the_forward_over_the_longer_sequence(tiny_model_factory, tokenizer, arch):
+    """One position through the cache (for grouped K/V heads: the folded-heads attention) = the full forward."""
+    model = tiny_model_factory(0).eval() if arch == "qwen3" else _llama(len(tokenizer))
     ids, mask = _prompts(len(tokenizer))
     nxt = torch.tensor([[7], [8], [9]])
     dec = Decoder(model)

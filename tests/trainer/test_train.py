@@ -241,10 +241,10 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
 
     real = module_mod.GRPOModule._update
 
-    def ctrl_c_during_iteration_3(self, rb, adv, loss_mask, it):
+    def ctrl_c_during_iteration_3(self, rb, adv, loss_mask, it, **kw):
         if it == 2 and not self.interrupted:  # the update of iteration 3
             os.kill(os.getpid(), signal.SIGINT)
-        return real(self, rb, adv, loss_mask, it)
+        return real(self, rb, adv, loss_mask, it, **kw)
 
     cfg = load_config(_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=6", "trainer.checkpoint_every=10"))
     monkeypatch.setattr(module_mod.GRPOModule, "_update", ctrl_c_during_iteration_3)

@@ -1,0 +1,75 @@
+"""The GRPO module's in-forward credit: a method that needs only the policy's entropy and can be assigned micro-batch
+by micro-batch takes the entropy from the update's own forward — no separate pass, the same advantages and the same
+parameters after the step as with the separate pass (on-policy, where both forwards see the same weights)."""
+from __future__ import annotations
+
+import mlflow
+import pytest
+import torch
+
+from gearlab import credit
+from gearlab.config import load_config
+from gearlab.signals.provider import SignalProvider
+from gearlab.trainer.train import train
+
+
+@pytest.fixture(scope="module")
+def graded_task():
+    """Arithmetic prompts with a reward graded by the share of digits in the completion: a random model's groups
+    have spread, so the advantages (and the update) are not zero."""
+    from gearlab.tasks.arithmetic import ArithmeticTask
+    from gearlab.tasks.registry import register_task
+
+    @register_task("digit_share_for_tests")
+    class DigitShare(ArithmeticTask):
+        def reward(self, problem, completion):
+            return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+    return "digit_share_for_tests"
+
+
+def _run(tmp_path, model_dir, mode, *extra):
+    cfg = load_config([f"model.name_or_path={model_dir}", f"trainer.output_dir={tmp_path / mode}", "trainer.max_steps=2",
+                       "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
+                       "algorithm.micro_batch_size=4", "trainer.progress_bar=false", "optim.lr=1e-3",
+                       "eval.num_problems=4", f"signals.entropy_in_forward={mode}", "task.name=digit_share_for_tests", *extra])
+    res = train(cfg)
+    from transformers import AutoModelForCausalLM
+
+    params = AutoModelForCausalLM.from_pretrained(res.run_dir / "final").state_dict()
+    return params, mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).data.metrics
+
+
+@pytest.mark.parametrize("assigner", [
+    ["assigner=entropy_adv"],
+    ["assigner=entropy_fork", "assigner.options.scope=micro_batch", "assigner.options.micro_batch_size=4",
+     "assigner.options.normaliser=trl"],
+])
+def test_entropy_from_the_update_forward_equals_the_separate_pass(tmp_path, tiny_model_dir, monkeypatch, graded_task, assigner):
+    passes = []
+    real = SignalProvider.compute
+    monkeypatch.setattr(SignalProvider, "compute", lambda self, *a, **k: passes.append(1) or real(self, *a, **k))
+    p_in, m_in = _run(tmp_path, tiny_model_dir, "true", *assigner)
+    assert not passes and m_in["signals/entropy_in_forward"] == 1.0  # no separate forward ran
+    p_off, m_off = _run(tmp_path, tiny_model_dir, "false", *assigner)
+    assert len(passes) == 2 and "signals/entropy_in_forward" not in m_off
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    moved = 0
+    for k in p_in:
+        assert torch.allclose(p_in[k], p_off[k], atol=1e-5), k
+        moved += not torch.equal(p_in[k], initial[k])
+    assert moved  # the steps did change the weights
+    for k in ("credit/adv_mean", "credit/adv_abs_mean", "credit/adv_std", "train/reward"):
+        assert m_in[k] == pytest.approx(m_off[k], abs=1e-5), k
+    assert m_in["credit/adv_abs_mean"] > 0
+
+
+def test_which_methods_may_assign_inside_the_update():
+    assert credit.build("entropy_adv", {}).chunk_local(8)
+    fork = dict(scope="micro_batch", micro_batch_size=4, normaliser="trl")
+    assert credit.build("entropy_fork", fork).chunk_local(8) and not credit.build("entropy_fork", fork).chunk_local(6)
+    assert not credit.build("entropy_fork", {**fork, "normaliser": "paper"}).chunk_local(8)  # its loss mask
+    assert not credit.build("entropy_fork", {}).chunk_local(8)  # batch scope
+    assert not credit.build("grpo", {}).chunk_local(8)
