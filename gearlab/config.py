@@ -60,7 +60,7 @@ class FastDecodeConfig:
     """``rollout.engine=fast`` (gearlab.rollout.fast): static-KV-cache decoding of the policy itself, each decode
     step one CUDA graph on GPUs; per-row seeds (row i of a call: seed + i)."""
 
-    cuda_graphs: str = "auto"  # auto (on with CUDA) | on | off: capture each decode step as a CUDA graph
+    cuda_graphs: str = "auto"  # auto (on with CUDA) | on | off: capture each decode step as a CUDA graph (on, CPU: its shapes, eagerly)
     bucket: int = 64  # attention covers the filled cache rounded up to this many tokens (one graph per bucket)
     check_every: int = 8  # decode steps between the checks whether every row has stopped (a host sync each)
     compile: bool = False  # torch.compile the decode step (fused kernels) before capturing it

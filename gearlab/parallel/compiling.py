@@ -33,7 +33,8 @@ _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 RECOMPILE_LIMIT = 64
 
 
-def _raise_recompile_limit() -> None:
+def raise_recompile_limit() -> None:
+    """Let torch.compile keep up to RECOMPILE_LIMIT graphs per function (shapes, bucket lengths) before it falls back to eager."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
     setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
@@ -55,7 +56,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     Idempotent; returns the number of layers compiled by this call. Call it after any ``deepcopy`` of the
     model (a copy would share the original's compiled bound methods).
     """
-    _raise_recompile_limit()
+    raise_recompile_limit()
     n = 0
     for layer in decoder_layers(model):
         if getattr(layer.forward, "__gearlab_compiled__", False):
@@ -74,7 +75,7 @@ def compiled_function(fn: Callable[..., Any], enabled: bool = True) -> Callable[
     if not enabled:
         return fn
     if fn not in _FUNCTIONS:
-        _raise_recompile_limit()
+        raise_recompile_limit()
         _FUNCTIONS[fn] = torch.compile(fn, dynamic=None)
     return _FUNCTIONS[fn]
 

@@ -1,10 +1,10 @@
 """The fast decode path for Hugging Face models (``rollout.engine=fast``): prefill once, then decode steps over a
 static KV cache, each step captured whole as a CUDA graph on GPUs.
 
-Per call, prompts are left-padded to a multiple of 64 positions (masked: the samples do not change) and decoded
-``rollout.batch_size`` rows at a time. A step feeds every row's last token through ``gearlab.rollout.decoder``
-(attention over the first L cache positions, L the step's bucket: the filled length rounded up to ``bucket``
-tokens), samples the next token with per-row seeds (``gearlab.rollout.sampler``: row i of a call uses
+Per call, prompts are decoded ``rollout.batch_size`` rows at a time. A step feeds every row's last token through
+``gearlab.rollout.decoder`` (attention over the first L cache positions: with CUDA graphs or a compiled step, L is
+the step's bucket — the filled length rounded up to ``bucket`` tokens — and prompts are left-padded to a multiple of
+64 positions, masked, so that few shapes recur; eagerly, on the CPU, L is the filled length itself), samples the next token with per-row seeds (``gearlab.rollout.sampler``: row i of a call uses
 ``seed + i``, as the vLLM engine) and records it with its log-prob. Rows that emitted a stop token keep running
 but write padding; the loop ends when every row is done (checked every ``check_every`` steps, the only host
 synchronisation) or after ``max_new_tokens``.
@@ -97,7 +97,9 @@ class FastDecoder:
             with unsharded(model):
                 dec = self._decoder_for(model)
                 dev = dec.head.weight.device
-                ids, mask = pad_left_to(prompt_ids, prompt_mask, STATIC_PAD, self.pad_id)
+                ids, mask = prompt_ids, prompt_mask
+                if self._fixed_shapes(model):  # a few prompt widths recur: graphs / compiled steps are reused
+                    ids, mask = pad_left_to(prompt_ids, prompt_mask, STATIC_PAD, self.pad_id)
                 for s in range(0, ids.shape[0], self.batch_size):
                     rows = slice(s, s + self.batch_size)
                     seeds = (seed + torch.arange(s, min(s + self.batch_size, ids.shape[0]))) % (2**63 - 1)
@@ -145,11 +147,20 @@ class FastDecoder:
         dev = next(model.parameters()).device
         return dev.type == "cuda" and self.cuda_graphs != "off"
 
+    def _fixed_shapes(self, model: nn.Module) -> bool:
+        """Graphs or a compiled step want few distinct shapes (padded prompts, bucketed attention lengths); a plain
+        eager step is cheapest on exact ones (the CPU). ``cuda_graphs="on"`` without CUDA keeps the graphs' shapes,
+        eagerly: the graph path's padding and buckets, testable on the CPU."""
+        return self.compile or self._graphs_on(model) or self.cuda_graphs == "on"
+
     def _decoder_for(self, model: nn.Module) -> Decoder:
         if self._decoder is None or self._decoder.model is not model:
             self._decoder = Decoder(model)
             self._runs.clear()
-            if self.compile:
+            if self.compile:  # one graph per bucket length (and shape): allow as many as compiled layers do
+                from gearlab.parallel.compiling import raise_recompile_limit
+
+                raise_recompile_limit()
                 self._step_fn = torch.compile(self._step, dynamic=False)
         return self._decoder
 
@@ -158,7 +169,7 @@ class FastDecoder:
         B, P = ids.shape
         T = sp.max_new_tokens
         run = self._run_for(dec, B, P, T)
-        graphs = self._graphs_on(dec.model)
+        graphs, fixed = self._graphs_on(dec.model), self._fixed_shapes(dec.model)
         key = (sp.temperature, sp.top_k, sp.top_p, sp.greedy)
         dev_type = ids.device.type
         autocast = torch.is_autocast_enabled(dev_type)
@@ -182,7 +193,7 @@ class FastDecoder:
                 if graphs:
                     run.graphs[key + (j,)].replay()
                 else:
-                    self._step_fn(dec, run, self._bucket_len(run, j), sp)
+                    self._step_fn(dec, run, self._bucket_len(run, j) if fixed else run.P + n, sp)
                 n += 1
         return run.out_tok.clone(), run.out_lp.clone(), n
 

@@ -38,8 +38,10 @@ def test_greedy_tokens_equal_hf_generate(setup, tokenizer, batch_size):
     model, eng, ids, mask = setup
     sp = SamplingParams(max_new_tokens=24, greedy=True)
     ref, ref_mask = eng.sample(model, ids, mask, sp, seed=0)
-    resp, rmask, lp = FastDecoder(tokenizer, batch_size=batch_size, bucket=8).sample(model, ids, mask, sp, seed=0)
-    assert torch.equal(rmask, ref_mask) and torch.equal(resp, ref)
+    for shapes in ("off", "on"):  # exact lengths, and the CUDA-graph path's padded prompts and 8-token buckets
+        fast = FastDecoder(tokenizer, batch_size=batch_size, bucket=8, cuda_graphs=shapes)
+        resp, rmask, lp = fast.sample(model, ids, mask, sp, seed=0)
+        assert torch.equal(rmask, ref_mask) and torch.equal(resp, ref)
 
 
 def test_responses_end_at_the_first_stop_token_as_hf(setup, tokenizer):
@@ -52,7 +54,7 @@ def test_responses_end_at_the_first_stop_token_as_hf(setup, tokenizer):
     stops = sorted(set(eng._stop_ids()) | {stop})
     eng_stop = HFRolloutEngine(tokenizer, eng.task, batch_size=8)
     eng_stop._stop_ids = lambda: stops
-    fast = FastDecoder(tokenizer, batch_size=4, bucket=8, check_every=2)
+    fast = FastDecoder(tokenizer, batch_size=4, bucket=8, check_every=2, cuda_graphs="on")
     fast.stop_ids = stops
     sp = SamplingParams(max_new_tokens=24, greedy=True)
     ref, ref_mask = eng_stop.sample(model, ids, mask, sp, seed=0)
@@ -78,7 +80,7 @@ def test_responses_end_at_the_first_stop_token_as_hf(setup, tokenizer):
 def test_sampled_logprobs_equal_the_trainers(setup, tokenizer, temperature, top_p):
     model, _, ids, mask = setup
     sp = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p)
-    resp, rmask, lp = FastDecoder(tokenizer, batch_size=4, bucket=8).sample(model, ids, mask, sp, seed=11)
+    resp, rmask, lp = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs="on").sample(model, ids, mask, sp, seed=11)
     ref = _trainer_logprobs(model, ids, mask, resp, rmask, temperature)
     assert (lp - ref)[rmask].abs().max() < 1e-5
 
@@ -88,8 +90,8 @@ def test_a_rows_samples_depend_on_its_seed_alone(setup, tokenizer):
     or bucket, gets the same tokens; another seed gives other tokens."""
     model, _, ids, mask = setup
     sp = SamplingParams(max_new_tokens=20)
-    full, fmask, flp = FastDecoder(tokenizer, batch_size=8, bucket=8).sample(model, ids, mask, sp, seed=100)
-    again = FastDecoder(tokenizer, batch_size=2, bucket=64).sample(model, ids, mask, sp, seed=100)
+    full, fmask, flp = FastDecoder(tokenizer, batch_size=8, bucket=8, cuda_graphs="on").sample(model, ids, mask, sp, seed=100)
+    again = FastDecoder(tokenizer, batch_size=2).sample(model, ids, mask, sp, seed=100)
     assert torch.equal(full, again[0]) and torch.allclose(flp, again[2], atol=1e-6)
     part, pmask, _ = FastDecoder(tokenizer, batch_size=8).sample(model, ids[3:5], mask[3:5], sp, seed=103)
     n = pmask.shape[1]
@@ -167,3 +169,13 @@ def test_fsdp2_two_processes_decode_the_gathered_weights(tmp_path, tiny_model_di
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
     m = run.data.metrics
     assert m["fast/steps"] > 0 and m["update/engine_lp_diff_abs"] < 1e-5 and "eval/greedy_accuracy" in m
+
+
+def test_compiled_step_samples_the_same_tokens(setup, tokenizer):
+    """rollout.fast.compile=true traces the decode step with torch.compile (one graph per bucket length): the same
+    tokens and log-probs as the eager step."""
+    model, _, ids, mask = setup
+    sp = SamplingParams(max_new_tokens=12)
+    eager = FastDecoder(tokenizer, batch_size=8, bucket=8).sample(model, ids, mask, sp, seed=4)
+    compiled = FastDecoder(tokenizer, batch_size=8, bucket=8, compile=True).sample(model, ids, mask, sp, seed=4)
+    assert torch.equal(eager[0], compiled[0]) and torch.allclose(eager[2], compiled[2], atol=1e-5)
