@@ -50,8 +50,8 @@ class ParityModule(GRPOModule):
         self.losses = []
         self._update(rb.select(idx), adv[idx], rb.response_mask[idx], it=0)
 
-    def _micro_loss(self, mb, adv, mask, counts):
-        loss, metrics = super()._micro_loss(mb, adv, mask, counts)
+    def _micro_loss(self, mb, adv, mask, counts, **kw):
+        loss, metrics = super()._micro_loss(mb, adv, mask, counts, **kw)
         self.losses.append(loss.detach())
         return loss, metrics
 
