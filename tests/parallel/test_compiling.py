@@ -121,7 +121,7 @@ def test_compile_with_fsdp1_is_refused():
 
 
 @pytest.mark.parametrize("limit", [None, 8])
-def test_every_forward_variant_of_a_run_gets_compiled(tiny_model_factory, monkeypatch, limit):
+def test_every_forward_variant_of_a_run_gets_compiled(tiny_model_factory, monkeypatch, request, limit):
     """A run calls the layers with grad on/off, in train/eval mode, with and without an attention mask and at
     varying shapes: more guard variants than Dynamo's default limit of 8, past which it silently runs eager.
     The raised limit compiles them all (limit=8 shows the test can fail)."""
@@ -133,7 +133,10 @@ def test_every_forward_variant_of_a_run_gets_compiled(tiny_model_factory, monkey
     torch._dynamo.reset()
     if limit is not None:
         monkeypatch.setattr(compiling, "RECOMPILE_LIMIT", limit)
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
+        # through Dynamo's own patch (undone after the test): monkeypatch's undo would leave the entry hidden
+        patch = torch._dynamo.config.patch(recompile_limit=limit)
+        patch.__enter__()
+        request.addfinalizer(lambda: patch.__exit__(None, None, None))
     model = tiny_model_factory(0)
     compile_decoder_layers(model)
     counters.clear()
