@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from torch import Tensor
 from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, build, register
 from gearlab.credit.methods import method_spec
-from gearlab.credit.options import OptionError, option
+from gearlab.credit.options import OptionError, option, plain
 from gearlab.signals.registry import TEACHER_SIGNALS  # the trainer's test of "needs a teacher" (one place)
 
 KEY = "assigner.options.components"
@@ -52,15 +52,6 @@ class MixOptions:
     # the option kit checks only that this is a list; MixAssigner validates every entry itself
     components: list = option([{"method": "grpo", "weight": 0.5}, {"method": "opsd", "weight": 0.5}],
                               "methods summed: a label (weight 1) or {method: LABEL, weight: W, options: {...}}")
-
-
-def _plain(x: Any) -> Any:
-    """A config node (OmegaConf's DictConfig / ListConfig) as plain dicts and lists."""
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
-        return [_plain(v) for v in x]
-    return x
 
 
 def _entry(i: int, e: Any) -> tuple[str, float, dict[str, Any]]:
@@ -95,7 +86,7 @@ class MixAssigner(CreditAssigner):
 
     def __init__(self, **options: Any) -> None:
         if "components" in options:  # a ListConfig is not a list to the option kit
-            options = {**options, "components": _plain(options["components"])}
+            options = {**options, "components": plain(options["components"])}
         super().__init__(**options)
         if not self.components:
             raise OptionError(KEY, "needs at least one component")

@@ -21,7 +21,7 @@ after a shuffle, segments mean nothing.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from torch import Tensor
 from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, build, register
 from gearlab.credit.methods import method_spec, parse_label
-from gearlab.credit.options import OptionError, option
+from gearlab.credit.options import OptionError, option, plain
 from gearlab.credit.seeding import row_seeds  # noqa: F401 (re-exported for tests and users)
 
 
@@ -41,15 +41,6 @@ class ShuffleOptions:
     # the option kit does not type-check dict fields; ShuffleAssigner checks this one itself
     of_options: dict = option({}, "options on top of the method's own: a mapping, or a string 'key=value,key=value'")
     control_seed: int = option(0, "seed of the per-row permutations, mixed with each row's token ids")
-
-
-def _plain(x: Any) -> Any:
-    """A config node (OmegaConf's DictConfig / ListConfig) as plain dicts and lists."""
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
-        return [_plain(v) for v in x]
-    return x
 
 
 @register("shuffle")
@@ -72,7 +63,7 @@ class ShuffleAssigner(CreditAssigner):
             except ValueError as e:
                 raise OptionError("assigner.options.of_options", str(e)) from None
         elif isinstance(extra, Mapping):
-            extra = _plain(extra)
+            extra = plain(extra)
         else:
             raise OptionError("assigner.options.of_options", f"expected a mapping or 'key=value,...', got {extra!r}")
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 class OptionError(ValueError):
@@ -25,6 +25,16 @@ class OptionError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key, self.message = key, message
+
+
+def plain(x: Any) -> Any:
+    """A config node (OmegaConf's DictConfig / ListConfig) as plain dicts and lists, for options whose values are
+    nested structures (a list of components, a mapping of options)."""
+    if isinstance(x, Mapping):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+        return [plain(v) for v in x]
+    return x
 
 
 def option(default: Any, doc: str, *, choices: tuple | None = None, lo: float | None = None, hi: float | None = None,
