@@ -41,11 +41,11 @@ def sync() -> None:
 
 
 def trainer_logprobs(model, ids, mask, resp, rmask, temperature=1.0):
+    """The trainer's log-probs of the sampled tokens [N, T] (differentiable when grad is enabled)."""
     x = torch.cat([ids, resp], 1).to(DEV)
     am = torch.cat([mask.bool(), rmask], 1).long().to(DEV)
-    with torch.no_grad():
-        h = response_hidden(model, x, am, ids.shape[1], resp.shape[1])
-        return token_logprobs(h, model.get_output_embeddings(), resp.to(DEV), temperature=temperature)[0].float().cpu()
+    h = response_hidden(model, x, am, ids.shape[1], resp.shape[1])
+    return token_logprobs(h, model.get_output_embeddings(), resp.to(DEV), temperature=temperature)[0]
 
 
 def small_setup():
@@ -81,22 +81,15 @@ def check_small(res: dict) -> None:
     # one in-place optimizer step, then a rollout through the graphs captured before it
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss = -trainer_logprobs_grad(model, ids[:8], mask[:8], a[0][:8], a[1][:8])
+    loss = -(trainer_logprobs(model, ids[:8], mask[:8], a[0][:8], a[1][:8]) * a[1][:8].to(DEV)).sum() / a[1][:8].sum()
     loss.backward()
     opt.step()
     model.eval()
     c = fast.sample(model, ids, mask, sp, seed=9)
-    ref_lp = trainer_logprobs(model, ids, mask, c[0], c[1])
+    with torch.no_grad():
+        ref_lp = trainer_logprobs(model, ids, mask, c[0], c[1]).float().cpu()
     diff = float((ref_lp - c[2])[c[1]].abs().max())
     res["after_step"] = {"pass": diff < 1e-4, "max_lp_diff": diff, "graphs_captured": fast.stats()["fast/graphs_captured"]}
-
-
-def trainer_logprobs_grad(model, ids, mask, resp, rmask):
-    x = torch.cat([ids, resp], 1).to(DEV)
-    am = torch.cat([mask.bool(), rmask], 1).long().to(DEV)
-    h = response_hidden(model, x, am, ids.shape[1], resp.shape[1])
-    lp = token_logprobs(h, model.get_output_embeddings(), resp.to(DEV))[0]
-    return (lp * rmask.to(DEV)).sum() / rmask.sum()
 
 
 def check_06b(res: dict) -> None:
@@ -135,7 +128,8 @@ def check_06b(res: dict) -> None:
         gen = FastDecoder(tok, batch_size=len(ids), **kw)
         s, (resp, rmask, lp) = timed(lambda: gen.sample(model, ids, mask, sp, seed=0))
         out[f"{name}_ms_per_step"] = round(1000 * s / gen.stats()["fast/steps"], 2)
-        ref = trainer_logprobs(model, ids, mask, resp, rmask)
+        with torch.no_grad():
+            ref = trainer_logprobs(model, ids, mask, resp, rmask).float().cpu()
         out[f"{name}_engine_lp_diff_abs_mean"] = round(float((ref - lp)[rmask].abs().mean()), 5)
     g = SamplingParams(max_new_tokens=64, greedy=True)
     a, _ = eng.sample(model, ids[:16], mask[:16], g, seed=0)

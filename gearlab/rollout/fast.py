@@ -115,11 +115,11 @@ class FastDecoder:
                        "fast/ms_per_step": 1000 * elapsed / max(1, steps), "fast/graphs_captured": float(self._captured)}
         if not outs:
             return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool), torch.zeros((0, 1))
-        T = max(1, max(int(self._lengths(t).max()) if t.numel() else 0 for t, _ in outs))
-        resp = torch.cat([t[:, :T] for t, _ in outs])
-        lps = torch.cat([lp[:, :T] for _, lp in outs])
-        rmask = torch.arange(T)[None] < self._lengths(resp)[:, None]
-        return resp.masked_fill(~rmask, self.pad_id), rmask, lps.masked_fill(~rmask, 0.0)
+        resp, lps = torch.cat([t for t, _ in outs]), torch.cat([lp for _, lp in outs])  # [N, max_new_tokens] each
+        lengths = self._lengths(resp)
+        T = max(1, int(lengths.max()))  # as wide as the longest response, as HF's output
+        rmask = torch.arange(T)[None] < lengths[:, None]
+        return resp[:, :T].masked_fill(~rmask, self.pad_id), rmask, lps[:, :T].masked_fill(~rmask, 0.0)
 
     def release(self) -> None:
         """Nothing to free by default: the cache and graphs are reused by the next rollout of the same shape."""

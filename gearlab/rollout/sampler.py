@@ -69,7 +69,8 @@ def sample_rows(logits: Tensor, seeds: Tensor, step: Tensor, *, temperature: flo
     if greedy:
         tok = torch.argmax(logits, dim=-1)
     else:
-        probs = torch.softmax(narrow(z, top_k, top_p), dim=-1)
+        # the full distribution is exp(logp_all) already; only a narrowed one needs its own softmax
+        probs = torch.softmax(narrow(z, top_k, top_p), dim=-1) if top_k or top_p < 1.0 else logp_all.exp()
         cdf = probs.cumsum(-1)
         # scaled to the CDF's own total so float rounding can neither push u past the last token nor bias it
         u = row_uniforms(seeds, step) * cdf[:, -1]
