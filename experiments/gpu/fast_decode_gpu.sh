@@ -6,7 +6,7 @@
 #   credit   ~2 min: experiments/bench/credit_cost.py on the Qwen3-0.6B preset for the entropy methods, with the entropy
 #            computed in the update's forward (needs omegaconf)
 #   bench    ~6 min: the TRL-vs-gearlab table, each variant in its own process; BENCH_VARIANTS (default
-#            trl_default,trl_tuned,gearlab_tuned,gearlab_fast) and BENCH_NAME (default trl_vs_gearlab_tuned_h200)
+#            trl_default,trl_tuned,gearlab_tuned,gearlab_fast) and BENCH_NAME (default trl_vs_gearlab_tuned; _h200 or _h100 is appended)
 #   vllm     ~4 min: experiments/gpu/vllm_check.py (needs vLLM from experiments/gpu/vllm_bring.sh)
 #   varlen   ~8 min: 50 iterations of a real run whose responses vary in length (embedded:small-arith, engine=fast,
 #            trainer.compile)
@@ -23,6 +23,7 @@ python -c "import gearlab.assigners" 2>/dev/null || python -m pip install -q --n
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | tr H h)  # h200 | h100 (file names)
 for part in "$@"; do
   case $part in
   check)
@@ -30,11 +31,11 @@ for part in "$@"; do
     echo "check rc=$?"; tail -c 2500 "$OUT/check.log" ;;
   credit)
     timeout 240 python experiments/bench/credit_cost.py --preset qwen3-0.6b --assigners entropy_adv entropy_fork \
-      entropy_fork:scope=micro_batch,normaliser=trl,micro_batch_size=1 --out "$OUT/credit_cost_h200_in_forward.json" \
+      entropy_fork:scope=micro_batch,normaliser=trl,micro_batch_size=1 --out "$OUT/credit_cost_qwen3-0.6b_${card:-gpu}_in_forward.json" \
       > "$OUT/credit.log" 2>&1
     echo "credit rc=$?"; tail -c 1200 "$OUT/credit.log" ;;
   bench)
-    n=${BENCH_NAME:-trl_vs_gearlab_tuned_h200}
+    n=${BENCH_NAME:-trl_vs_gearlab_tuned}_${card:-gpu}
     ( [ -f /tmp/vsite/env.sh ] && . /tmp/vsite/env.sh
       timeout ${BENCH_TIMEOUT:-560} python experiments/bench/trl_vs_gearlab.py --iters 4 --profile \
         --variants "${BENCH_VARIANTS:-trl_default,trl_tuned,gearlab_tuned,gearlab_fast}" \
