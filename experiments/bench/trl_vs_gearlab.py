@@ -225,6 +225,8 @@ def profile_decode_step(module) -> dict:
     ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     sp = SamplingParams(max_new_tokens=NEW)
     gen = module.generator
+    if CUDA:
+        module.policy.cuda()  # (Lightning's teardown after fit moved it back to the CPU)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
     gen.sample(module.policy, ids, mask, sp, seed=1)  # warm (graphs exist already)
     sync()

@@ -72,7 +72,7 @@ class FastDecoder:
         self._runs: dict[tuple, _Run] = {}
         self._decoder: Decoder | None = None
         self._pool = None
-        self._step_fn = self._step
+        self._logits_fn = self._step_logits
         self._stats: dict[str, float] = {}
         self._captured = 0
 
@@ -161,7 +161,9 @@ class FastDecoder:
                 from gearlab.parallel.compiling import raise_recompile_limit
 
                 raise_recompile_limit()
-                self._step_fn = torch.compile(self._step, dynamic=False)
+                # the forward only: Inductor's scan over a 151,936-wide vocabulary (the sampler's cumsum) fails
+                # to generate code in torch 2.11, and the sampling is a handful of kernels anyway
+                self._logits_fn = torch.compile(self._step_logits, dynamic=False)
         return self._decoder
 
     def _decode(self, dec: Decoder, ids: Tensor, mask: Tensor, seeds: Tensor, sp: SamplingParams) -> tuple[Tensor, Tensor, int]:
@@ -193,7 +195,7 @@ class FastDecoder:
                 if graphs:
                     run.graphs[key + (j,)].replay()
                 else:
-                    self._step_fn(dec, run, self._bucket_len(run, j) if fixed else run.P + n, sp)
+                    self._step(dec, run, self._bucket_len(run, j) if fixed else run.P + n, sp)
                 n += 1
         return run.out_tok.clone(), run.out_lp.clone(), n
 
@@ -201,11 +203,11 @@ class FastDecoder:
         return run.P + min((j + 1) * self.bucket, run.T)
 
     def _run_for(self, dec: Decoder, B: int, P: int, T: int) -> _Run:
-        key = (B, P, T)
+        dev = dec.head.weight.device
+        key = (B, P, T, dev)  # (a policy moved between devices, as Lightning's teardown does, gets new buffers)
         run = self._runs.get(key)
         if run is None:
             self._runs.clear()  # one shape's buffers at a time: multi-turn calls vary the shape
-            dev = dec.head.weight.device
             lng = dict(dtype=torch.long, device=dev)
             run = _Run(P=P, T=T, cache=dec.new_cache(B, P + T), tok=torch.zeros(B, **lng), step=torch.zeros((), **lng),
                        n_prompt=torch.zeros(B, **lng), key_ok=torch.ones(B, P + T, dtype=torch.bool, device=dev),
@@ -231,11 +233,15 @@ class FastDecoder:
 
     def _step(self, dec: Decoder, run: _Run, length: int, sp: SamplingParams) -> None:
         """Decode one token for every row: feed ``run.tok`` (cache position P + step - 1), sample token ``step``."""
+        self._emit(run, self._logits_fn(dec, run, length), sp)
+
+    def _step_logits(self, dec: Decoder, run: _Run, length: int) -> Tensor:
+        """The forward of one decode step: ``run.tok`` at cache position P + step - 1 → logits [B, V]."""
         at = run.P + run.step - 1
         pos = (run.n_prompt + run.step - 1)[:, None]
         visible = run.key_ok[:, :length] & (torch.arange(length, device=at.device) <= at)
         hidden = dec.forward(run.tok[:, None], pos, run.cache, at.reshape(1), length, visible[:, None, None, :])
-        self._emit(run, dec.logits(hidden), sp)
+        return dec.logits(hidden)
 
     def _ensure_graphs(self, dec: Decoder, run: _Run, sp: SamplingParams, key: tuple) -> None:
         """Capture the decode step of every bucket for this shape and sampling setting (once; again if the
@@ -256,11 +262,11 @@ class FastDecoder:
             with torch.cuda.stream(side):  # warm-up off the capture (library handles, compiled kernels)
                 for _ in range(2):
                     run.step.fill_(1)
-                    self._step_fn(dec, run, length, sp)
+                    self._step(dec, run, length, sp)
             torch.cuda.current_stream().wait_stream(side)
             run.step.fill_(1)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step_fn(dec, run, length, sp)
+                self._step(dec, run, length, sp)
             run.graphs[key + (j,)] = graph
             self._captured += 1
