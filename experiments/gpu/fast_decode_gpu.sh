@@ -8,8 +8,8 @@
 #   bench    ~6 min: the TRL-vs-gearlab table, each variant in its own process; BENCH_VARIANTS (default
 #            trl_default,trl_tuned,gearlab_tuned,gearlab_fast) and BENCH_NAME (default trl_vs_gearlab_tuned; _h200 or _h100 is appended)
 #   vllm     ~4 min: experiments/gpu/vllm_check.py (needs vLLM from experiments/gpu/vllm_bring.sh)
-#   varlen   ~8 min: 50 iterations of a real run whose responses vary in length (embedded:small-arith, engine=fast,
-#            trainer.compile)
+#   varlen   ~8 min: 50 iterations of a real run whose responses vary in length (experiment=arith_long_gpu with a
+#            200-step warm start, engine=fast, trainer.compile)
 # Wheels: every carried folder of them among .wo .wa .wb .whl .trlw is installed once per machine
 # (experiments/gpu/wheels.sh makes .whl and .trlw; the calls of issue 18 split them to fit beside the vLLM pieces).
 # If /tmp/vsite/env.sh exists (vLLM installed), the vllm part and gearlab_vllm / trl_vllm bench variants use it.
@@ -45,9 +45,11 @@ for part in "$@"; do
     ( . /tmp/vsite/env.sh && timeout 400 python experiments/gpu/vllm_check.py --out "$OUT/vllm_check.json" > "$OUT/vllm_check.log" 2>&1 )
     echo "vllm rc=$?"; tail -c 3000 "$OUT/vllm_check.log" ;;
   varlen)
-    timeout 540 gearlab train model.name_or_path=embedded:small-arith task.name=arith_hard rollout.engine=fast \
+    # the issue-17 workload (5-step arithmetic, 25.3M-parameter policy warm-started on the card, bf16 autocast):
+    # responses end where the model samples its stop token; a shorter warm start than issue 17's keeps the call short
+    timeout ${VARLEN_TIMEOUT:-480} gearlab train experiment=arith_long_gpu warmstart.steps=200 rollout.engine=fast \
       trainer.compile=true trainer.accelerator=gpu trainer.max_steps=50 trainer.output_dir=runs/varlen \
-      rollout.max_new_tokens=96 eval.num_problems=64 trainer.progress_bar=false > "$OUT/varlen.log" 2>&1
+      eval.num_problems=64 trainer.progress_bar=false > "$OUT/varlen.log" 2>&1
     echo "varlen rc=$?"
     python experiments/gpu/varlen_summary.py runs/varlen > "$OUT/varlen_summary.json"; cat "$OUT/varlen_summary.json" ;;
   *) echo "unknown part $part (check | credit | bench | vllm | varlen)"; exit 2 ;;
