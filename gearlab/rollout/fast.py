@@ -208,6 +208,8 @@ class FastDecoder:
         run = self._runs.get(key)
         if run is None:
             self._runs.clear()  # one shape's buffers at a time: multi-turn calls vary the shape
+            # the freed graphs' memory pool cannot take new captures (the caching allocator asserts): a fresh one
+            self._pool = None
             lng = dict(dtype=torch.long, device=dev)
             run = _Run(P=P, T=T, cache=dec.new_cache(B, P + T), tok=torch.zeros(B, **lng), step=torch.zeros((), **lng),
                        n_prompt=torch.zeros(B, **lng), key_ok=torch.ones(B, P + T, dtype=torch.bool, device=dev),
@@ -249,6 +251,7 @@ class FastDecoder:
         weights = tuple(p.data_ptr() for p in dec.model.parameters())
         if weights != run.weights:
             run.graphs.clear()
+            self._pool = None  # (as in _run_for: no new captures into the pool of freed graphs)
             run.weights = weights
         n_buckets = -(-max(1, run.T - 1) // self.bucket)
         if all(key + (j,) in run.graphs for j in range(n_buckets)):
