@@ -18,11 +18,12 @@ engine up to date:
 trainer's; if they do not, it logs the failure and falls back to ``reload`` for the rest of the run.
 Which path ran is logged (``vllm/weight_sync_inplace``) and said once at INFO.
 
-GPU-only parts, written against vLLM's documented API and NOT exercised in this project (no CUDA vLLM
-wheel fits the lent machines): ``sleep`` (``LLM.sleep`` after the rollout frees its memory for the update,
-``wake_up(["weights"])`` before the sync, ``wake_up(["kv_cache"])`` before generating) and tensor
-parallelism (``tensor_parallel_size`` > 1 with vLLM's ``external_launcher`` backend: the ranks of one
-TP group pool their prompts, generate together, and each keeps its own rows).
+GPU-only parts: ``sleep`` (``LLM.sleep`` after the rollout frees its memory for the update,
+``wake_up(["weights"])`` before the sync, ``wake_up(["kv_cache"])`` before generating) ran on one H200 with vLLM
+0.25.0, with bf16 engines next to bf16 and fp32 master weights (experiments/bench/results/rollout_engines_gpu.md).
+Tensor parallelism (``tensor_parallel_size`` > 1 with vLLM's ``external_launcher`` backend: the ranks of one TP
+group pool their prompts, generate together, and each keeps its own rows) is written against vLLM's documented
+API and has not run on GPUs.
 
 Seeds: request ``i`` of a call gets seed ``seed + i`` (vLLM's per-request generator), so a row's sample
 depends only on (run seed, step, rank, row) and the weights — paired runs stay paired.

@@ -179,3 +179,19 @@ def test_compiled_step_samples_the_same_tokens(setup, tokenizer):
     eager = FastDecoder(tokenizer, batch_size=8, bucket=8).sample(model, ids, mask, sp, seed=4)
     compiled = FastDecoder(tokenizer, batch_size=8, bucket=8, compile=True).sample(model, ids, mask, sp, seed=4)
     assert torch.equal(eager[0], compiled[0]) and torch.allclose(eager[2], compiled[2], atol=1e-5)
+
+
+def test_step_buffers_follow_the_shape_and_freed_graphs_release_their_pool(setup, tokenizer):
+    """A new batch shape (evaluation after training) frees the last shape's captured graphs; new captures must not
+    go into their freed memory pool (on CUDA the caching allocator asserts). The buffers are keyed by device too:
+    a policy that Lightning's teardown moved to the CPU and back gets buffers where it lives."""
+    model = setup[0]
+    fd = FastDecoder(tokenizer, batch_size=8, cuda_graphs="on")
+    dec = fd._decoder_for(model)
+    run = fd._run_for(dec, 8, 16, 4)
+    (key,) = fd._runs
+    assert key == (8, 16, 4, dec.head.weight.device)
+    fd._pool = pool = object()  # stands for the CUDA graph pool of the captured steps
+    assert fd._run_for(dec, *key[:3]) is run and fd._pool is pool  # same shape: same buffers, same pool
+    fd._run_for(dec, key[0] + 1, *key[1:3])
+    assert list(fd._runs) == [(key[0] + 1, *key[1:3], key[3])] and fd._pool is None
