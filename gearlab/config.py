@@ -63,7 +63,7 @@ class FastDecodeConfig:
     cuda_graphs: str = "auto"  # auto (on with CUDA) | on | off: capture each decode step as a CUDA graph (on, CPU: its shapes, eagerly)
     bucket: int = 64  # attention covers the filled cache rounded up to this many tokens (one graph per bucket)
     check_every: int = 8  # decode steps between the checks whether every row has stopped (a host sync each)
-    compile: bool = False  # torch.compile the decode step (fused kernels) before capturing it
+    compile: bool = False  # torch.compile the decode step's forward (fused kernels; the sampler stays eager) before capturing it
 
 
 @dataclass
