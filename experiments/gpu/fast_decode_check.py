@@ -48,6 +48,14 @@ def trainer_logprobs(model, ids, mask, resp, rmask, temperature=1.0):
     return token_logprobs(h, model.get_output_embeddings(), resp.to(DEV), temperature=temperature)[0]
 
 
+def greedy_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Agreement of two greedy [N, T] token tensors over their common width: rows identical, mean agreeing prefix."""
+    w = min(a.shape[1], b.shape[1])
+    same = (a[:, :w] == b[:, :w]).long().cumprod(1).sum(1)
+    return {"rows_identical": int((same == w).sum()), "rows": len(a), "mean_agreeing_prefix": round(float(same.float().mean()), 1),
+            "tokens": w}
+
+
 def small_setup():
     from gearlab.models.tiny import build_tiny_model, build_tokenizer
     from gearlab.rollout.hf import HFRolloutEngine
@@ -138,9 +146,7 @@ def check_06b(res: dict) -> None:
     g = SamplingParams(max_new_tokens=64, greedy=True)
     a, _ = eng.sample(model, ids[:16], mask[:16], g, seed=0)
     b, _, _ = FastDecoder(tok, batch_size=16).sample(model, ids[:16], mask[:16], g, seed=0)
-    w = min(a.shape[1], b.shape[1])
-    same = (a[:, :w] == b[:, :w]).long().cumprod(1).sum(1)
-    out["greedy_vs_hf_bf16"] = {"rows_identical": int((same == w).sum()), "rows": len(a), "mean_agreeing_prefix": float(same.float().mean())}
+    out["greedy_vs_hf_bf16"] = greedy_agreement(a, b)
     res["bf16_0.6b"] = out
 
 

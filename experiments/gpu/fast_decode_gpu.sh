@@ -12,12 +12,14 @@
 #            200-step warm start, engine=fast, trainer.compile)
 # Wheels: every carried folder of them among .wo .wa .wb .whl .trlw is installed once per machine
 # (experiments/gpu/wheels.sh makes .whl and .trlw; the calls of issue 18 split them to fit beside the vLLM pieces).
-# If /tmp/vsite/env.sh exists (vLLM installed), the vllm part and gearlab_vllm / trl_vllm bench variants use it.
+# If $VLLM_SITE/env.sh exists (vLLM installed by vllm_bring.sh, same variable and default), the vllm part and the
+# gearlab_vllm / trl_vllm bench variants use it.
 # Results land in $OUT; name the card (nvidia-smi's line is printed first) next to every number you copy.
 set -uo pipefail
+VSITE=${VLLM_SITE:-/tmp/vsite}  # (vllm_bring.sh's default: /tmp is what survives between warm calls)
+MARK=${TMPDIR:-/tmp}/.gearlab_installed
 for d in .wo .wa .wb .whl .trlw; do
-  [ -d $d ] && [ ! -f /tmp/.gearlab_installed$d ] && python -m pip install -q --no-deps $d/*.whl 2>&1 | grep -v WARNING | tail -1 \
-    && touch /tmp/.gearlab_installed$d
+  [ -d $d ] && [ ! -f $MARK$d ] && python -m pip install -q --no-deps $d/*.whl 2>&1 | grep -v WARNING | tail -1 && touch $MARK$d
 done
 python -c "import gearlab.assigners" 2>/dev/null || python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
@@ -36,13 +38,13 @@ for part in "$@"; do
     echo "credit rc=$?"; tail -c 1200 "$OUT/credit.log" ;;
   bench)
     n=${BENCH_NAME:-trl_vs_gearlab_tuned}_${card:-gpu}
-    ( [ -f /tmp/vsite/env.sh ] && . /tmp/vsite/env.sh
+    ( [ -f "$VSITE/env.sh" ] && . "$VSITE/env.sh"
       timeout ${BENCH_TIMEOUT:-560} python experiments/bench/trl_vs_gearlab.py --iters 4 --profile \
         --variants "${BENCH_VARIANTS:-trl_default,trl_tuned,gearlab_tuned,gearlab_fast}" \
         --out "$OUT/$n.json" --md "$OUT/$n.md" > "$OUT/$n.log" 2>&1 )
     echo "bench rc=$?"; cat "$OUT/$n.md" 2>/dev/null; tail -c 1500 "$OUT/$n.log" ;;
   vllm)
-    ( . /tmp/vsite/env.sh && timeout 400 python experiments/gpu/vllm_check.py --out "$OUT/vllm_check.json" > "$OUT/vllm_check.log" 2>&1 )
+    ( . "$VSITE/env.sh" && timeout 400 python experiments/gpu/vllm_check.py --out "$OUT/vllm_check.json" > "$OUT/vllm_check.log" 2>&1 )
     echo "vllm rc=$?"; tail -c 3000 "$OUT/vllm_check.log" ;;
   varlen)
     # the issue-17 workload (5-step arithmetic, 25.3M-parameter policy warm-started on the card, bf16 autocast):

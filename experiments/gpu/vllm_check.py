@@ -36,9 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments" / "bench"))
+sys.path.insert(0, str(ROOT / "experiments" / "gpu"))
 
+from fast_decode_check import greedy_agreement as agreement, trainer_logprobs as trainer_logprobs_on_device  # noqa: E402
 from gearlab.core.grpo import engine_mismatch  # noqa: E402
-from gearlab.core.logprobs import response_hidden, token_logprobs  # noqa: E402
 from gearlab.rollout.base import SamplingParams  # noqa: E402
 from gearlab.rollout.vllm import VLLMGenerator  # noqa: E402
 
@@ -50,22 +51,11 @@ WORK = Path(os.environ.get("BENCH_WORK", "/tmp"))
 def trainer_logprobs(model, ids, mask, resp, rmask) -> torch.Tensor:
     """The trainer's log-probs of the sampled tokens [N, T], float32 on the CPU."""
     with torch.no_grad():
-        x = torch.cat([ids, resp], 1).to(DEV)
-        am = torch.cat([mask.bool(), rmask], 1).long().to(DEV)
-        h = response_hidden(model, x, am, ids.shape[1], resp.shape[1])
-        return token_logprobs(h, model.get_output_embeddings(), resp.to(DEV))[0].float().cpu()
+        return trainer_logprobs_on_device(model, ids, mask, resp, rmask).float().cpu()
 
 
 def free_gib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**30 if CUDA else float("nan")
-
-
-def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Greedy agreement of two [N, T] token tensors: rows identical, mean agreeing prefix (tokens)."""
-    w = min(a.shape[1], b.shape[1])
-    same = (a[:, :w] == b[:, :w]).long().cumprod(1).sum(1)
-    return {"rows_identical": int((same == w).sum()), "rows": len(a), "mean_agreeing_prefix": round(float(same.float().mean()), 1),
-            "tokens": w}
 
 
 def mism(ref: torch.Tensor, lp: torch.Tensor, m: torch.Tensor) -> dict:
@@ -150,10 +140,7 @@ def part_big() -> dict:
         adv = torch.randn(len(ids), 1, device=DEV)
         for i in range(0, len(ids), 32):
             sl = slice(i, i + 32)
-            x = torch.cat([ids[sl], r[sl]], 1).to(DEV)
-            am = torch.cat([mask[sl].bool(), m[sl]], 1).long().to(DEV)
-            h = response_hidden(master, x, am, ids.shape[1], r.shape[1])
-            tlp = token_logprobs(h, master.get_output_embeddings(), r[sl].to(DEV))[0]
+            tlp = trainer_logprobs_on_device(master, ids[sl], mask[sl], r[sl], m[sl])  # with grad
             mm = m[sl].to(DEV)
             (-(tlp * adv[sl] * mm).sum() / m.sum()).backward()
         opt.step()

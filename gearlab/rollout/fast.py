@@ -109,7 +109,7 @@ class FastDecoder:
         finally:
             model.train(was_training)
             if not self._graphs_on(model):
-                self._runs.clear()
+                self.free()
         elapsed = time.perf_counter() - t0
         self._stats = {"fast/decode_s": elapsed, "fast/steps": float(steps),
                        "fast/ms_per_step": 1000 * elapsed / max(1, steps), "fast/graphs_captured": float(self._captured)}
@@ -131,7 +131,8 @@ class FastDecoder:
         return dict(self._stats)
 
     def free(self) -> None:
-        """Drop every cache and captured graph (their GPU memory returns to PyTorch's allocator)."""
+        """Drop every cache and captured graph (their GPU memory returns to PyTorch's allocator). The graphs' pool
+        goes too: once its graphs are freed it cannot take new captures (the CUDA caching allocator asserts)."""
         self._runs.clear()
         self._pool = None
 
@@ -156,7 +157,7 @@ class FastDecoder:
     def _decoder_for(self, model: nn.Module) -> Decoder:
         if self._decoder is None or self._decoder.model is not model:
             self._decoder = Decoder(model)
-            self._runs.clear()
+            self.free()
             if self.compile:  # one graph per bucket length (and shape): allow as many as compiled layers do
                 from gearlab.parallel.compiling import raise_recompile_limit
 
@@ -207,9 +208,7 @@ class FastDecoder:
         key = (B, P, T, dev)  # (a policy moved between devices, as Lightning's teardown does, gets new buffers)
         run = self._runs.get(key)
         if run is None:
-            self._runs.clear()  # one shape's buffers at a time: multi-turn calls vary the shape
-            # the freed graphs' memory pool cannot take new captures (the caching allocator asserts): a fresh one
-            self._pool = None
+            self.free()  # one shape's buffers at a time: multi-turn calls vary the shape
             lng = dict(dtype=torch.long, device=dev)
             run = _Run(P=P, T=T, cache=dec.new_cache(B, P + T), tok=torch.zeros(B, **lng), step=torch.zeros((), **lng),
                        n_prompt=torch.zeros(B, **lng), key_ok=torch.ones(B, P + T, dtype=torch.bool, device=dev),
@@ -251,7 +250,7 @@ class FastDecoder:
         weights = tuple(p.data_ptr() for p in dec.model.parameters())
         if weights != run.weights:
             run.graphs.clear()
-            self._pool = None  # (as in _run_for: no new captures into the pool of freed graphs)
+            self._pool = None  # (see free: no new captures into the pool of freed graphs)
             run.weights = weights
         n_buckets = -(-max(1, run.T - 1) // self.bucket)
         if all(key + (j,) in run.graphs for j in range(n_buckets)):
