@@ -22,7 +22,8 @@ after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp3
 master weights next to the bf16 engine) and ``trl_vllm`` (TRL's colocated vLLM mode with its tuned update); the older names ``gearlab``,
 ``gearlab_static``, ``gearlab_static_compiled``, ``trl`` and ``trl_static`` remain. Iteration 1 (compilation,
 graph capture) is excluded by the median. ``--profile`` adds, for the fast variants, a torch.profiler trace of
-one decode step summarised as CUDA kernel time vs wall time. ``--md`` writes the Markdown table.
+one decode step summarised as CUDA kernel time vs wall time, kernels per step and the ten costliest kernels
+([ms per step, launches per step]). ``--md`` writes the Markdown table.
 """
 from __future__ import annotations
 
@@ -236,10 +237,12 @@ def profile_decode_step(module) -> dict:
     st = gen.stats()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     kernel_us = sum(e.self_device_time_total for e in events)
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:5]
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:10]
     steps = st["fast/steps"]
     return {"wall_ms_per_step": round(st["fast/ms_per_step"], 3), "kernel_ms_per_step": round(kernel_us / 1000 / steps, 3),
-            "top_kernels_ms_per_step": {e.key[:80]: round(e.self_device_time_total / 1000 / steps, 3) for e in top}}
+            "kernels_per_step": round(sum(e.count for e in events) / steps, 1),
+            "top_kernels_ms_per_step": {e.key[:80]: [round(e.self_device_time_total / 1000 / steps, 3), round(e.count / steps, 1)]
+                                        for e in top}}
 
 
 # name → (runner, options); micro-batch 64 × 2 = the 128 sequences of an iteration

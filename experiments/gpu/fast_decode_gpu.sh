@@ -3,6 +3,7 @@
 # at most 10 minutes. Parts run in the order given:
 #   check    ~4 min: experiments/gpu/fast_decode_check.py (correctness on the GPU, decode ms/step of HF static+compiled
 #            vs fast eager/graphs); needs no wheels
+#   attn     ~1 min: experiments/bench/decode_attention.py (decode attention kernels alone, at the benchmark's shape)
 #   credit   ~2 min: experiments/bench/credit_cost.py on the Qwen3-0.6B preset for the entropy methods, with the entropy
 #            computed in the update's forward (needs omegaconf)
 #   bench    ~6 min: the TRL-vs-gearlab table, each variant in its own process; BENCH_VARIANTS (default
@@ -31,6 +32,9 @@ for part in "$@"; do
   check)
     timeout 300 python experiments/gpu/fast_decode_check.py --out "$OUT/fast_decode_check.json" > "$OUT/check.log" 2>&1
     echo "check rc=$?"; tail -c 2500 "$OUT/check.log" ;;
+  attn)
+    timeout ${ATTN_TIMEOUT:-150} python experiments/bench/decode_attention.py --out "$OUT/decode_attention_${card:-gpu}.json" > "$OUT/attn.log" 2>&1
+    echo "attn rc=$?"; tail -c 2500 "$OUT/attn.log" ;;
   credit)
     timeout 240 python experiments/bench/credit_cost.py --preset qwen3-0.6b --assigners entropy_adv entropy_fork \
       entropy_fork:scope=micro_batch,normaliser=trl,micro_batch_size=1 --out "$OUT/credit_cost_qwen3-0.6b_${card:-gpu}_in_forward.json" \
@@ -54,6 +58,6 @@ for part in "$@"; do
       eval.num_problems=64 trainer.progress_bar=false > "$OUT/varlen.log" 2>&1
     echo "varlen rc=$?"
     python experiments/gpu/varlen_summary.py runs/varlen > "$OUT/varlen_summary.json"; cat "$OUT/varlen_summary.json" ;;
-  *) echo "unknown part $part (check | credit | bench | vllm | varlen)"; exit 2 ;;
+  *) echo "unknown part $part (check | attn | credit | bench | vllm | varlen)"; exit 2 ;;
   esac
 done

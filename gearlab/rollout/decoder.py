@@ -50,6 +50,28 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def attn_inputs(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's attention inputs: hidden [B, S, H_model] → q [B, H, S, D], k and v [B, H_kv, S, D], rotated (cos,
+    sin [B, 1, S, D]). It calls the layer's own modules; compiled, one graph serves every layer (torch.compile
+    lifts module parameters to graph inputs), and its shapes do not depend on the cache length."""
+    B, S, _ = h.shape
+    a = layer.self_attn
+    x = layer.input_layernorm(h)
+    q = a.q_proj(x).view(B, S, -1, head_dim)
+    k = a.k_proj(x).view(B, S, -1, head_dim)
+    v = a.v_proj(x).view(B, S, -1, head_dim).transpose(1, 2)
+    if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm of queries and keys before the rotation
+        q, k = a.q_norm(q), a.k_norm(k)
+    return _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin), v
+
+
+def attn_output_and_mlp(layer: nn.Module, h: Tensor, o: Tensor) -> Tensor:
+    """The rest of a layer after attention: residual stream h [B, S, H_model] and attention output o [B, S, H·D]
+    → the layer's output [B, S, H_model] (o_proj, residual, post-attention norm, MLP, residual)."""
+    h = h + layer.self_attn.o_proj(o)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 @dataclass
 class KVCache:
     """Per-layer key and value buffers [B, H_kv, L_max, D] in the compute dtype."""
@@ -64,7 +86,7 @@ class KVCache:
 class Decoder:
     """Prefill and one-token decode steps of ``model`` over a ``KVCache`` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, compile: bool = False) -> None:
         reason = supports(model)
         if reason:
             raise ValueError(f"rollout.engine=fast: {reason}")
@@ -77,6 +99,14 @@ class Decoder:
         self.head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self._attn_in, self._attn_out = attn_inputs, attn_output_and_mlp
+        if compile:
+            # the two pieces around attention, for decode steps: their shapes are the same at every step and every
+            # cache length, so each compiles once (per batch size) and the elementwise work between the matmuls
+            # (RMSNorm's fp32 round trip, rotary, SiLU·mul, residual adds) fuses; attention and the cache writes
+            # stay eager, one kernel each
+            self._attn_in = torch.compile(attn_inputs, dynamic=False)
+            self._attn_out = torch.compile(attn_output_and_mlp, dynamic=False)
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype activations and the cache take: autocast's if it is on, else the weights'."""
@@ -94,20 +124,15 @@ class Decoder:
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache, write_at: Tensor, length: int, mask: Tensor) -> Tensor:
         """ids, pos [B, S] (token ids, rotary positions); the S new keys/values go to cache positions
         ``write_at`` [S]; attention runs over cache positions [0, length) under ``mask`` [B, 1, S, length] (True =
-        attend). Returns the final-normed hidden state of the LAST of the S positions [B, H]."""
+        attend). Returns the final-normed hidden state of the LAST of the S positions [B, H]. A decode step (S = 1)
+        goes through the compiled pieces when the decoder was built with ``compile=True``."""
         B, S = ids.shape
+        attn_in, attn_out = (self._attn_in, self._attn_out) if S == 1 else (attn_inputs, attn_output_and_mlp)
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, pos)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, S, D]: broadcast over heads
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(B, S, -1, self.head_dim)
-            k = a.k_proj(x).view(B, S, -1, self.head_dim)
-            v = a.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-            if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm of queries and keys before the rotation
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            q, k, v = attn_in(layer, h, cos, sin, self.head_dim)
             kc, vc = cache.keys[i], cache.values[i]
             kc.index_copy_(2, write_at, k.to(kc.dtype))
             vc.index_copy_(2, write_at, v.to(vc.dtype))
@@ -121,8 +146,7 @@ class Decoder:
             else:
                 o = F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
                                                    scale=self.scaling, enable_gqa=H != self.n_kv)
-            h = h + a.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = attn_out(layer, h, o.transpose(1, 2).reshape(B, S, -1))
         return self.base.norm(h[:, -1])
 
     def prefill(self, ids: Tensor, mask: Tensor, cache: KVCache) -> Tensor:

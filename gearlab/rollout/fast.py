@@ -2,12 +2,14 @@
 static KV cache, each step captured whole as a CUDA graph on GPUs.
 
 Per call, prompts are decoded ``rollout.batch_size`` rows at a time. A step feeds every row's last token through
-``gearlab.rollout.decoder`` (attention over the first L cache positions: with CUDA graphs or a compiled step, L is
-the step's bucket — the filled length rounded up to ``bucket`` tokens — and prompts are left-padded to a multiple of
-64 positions, masked, so that few shapes recur; eagerly, on the CPU, L is the filled length itself), samples the next token with per-row seeds (``gearlab.rollout.sampler``: row i of a call uses
-``seed + i``, as the vLLM engine) and records it with its log-prob. Rows that emitted a stop token keep running
-but write padding; the loop ends when every row is done (checked every ``check_every`` steps, the only host
-synchronisation) or after ``max_new_tokens``.
+``gearlab.rollout.decoder`` (attention over the first L cache positions: with CUDA graphs, L is the step's bucket —
+the filled length rounded up to ``bucket`` tokens — and prompts are left-padded to a multiple of 64 positions,
+masked, so that few shapes recur; uncaptured, on the CPU, L is the filled length itself), samples the next token
+with per-row seeds (``gearlab.rollout.sampler``: row i of a call uses ``seed + i``, as the vLLM engine) and
+records it with its log-prob. Rows that emitted a stop token keep running but write padding; the loop ends when
+every row is done (checked every ``check_every`` steps, the only host synchronisation) or after
+``max_new_tokens``. ``compile=True`` (``rollout.fast.compile``) compiles each layer's pieces around attention
+(``Decoder``): one graph per batch size, fusing the elementwise kernels a small model's step is mostly made of.
 
 On CUDA, one graph per (batch, prompt length, bucket, sampling settings) is captured on first use and replayed
 after; graphs keep pointers to the weights, which optimizer steps update in place, so they stay valid across
@@ -72,7 +74,6 @@ class FastDecoder:
         self._runs: dict[tuple, _Run] = {}
         self._decoder: Decoder | None = None
         self._pool = None
-        self._logits_fn = self._step_logits
         self._stats: dict[str, float] = {}
         self._captured = 0
 
@@ -98,7 +99,7 @@ class FastDecoder:
                 dec = self._decoder_for(model)
                 dev = dec.head.weight.device
                 ids, mask = prompt_ids, prompt_mask
-                if self._fixed_shapes(model):  # a few prompt widths recur: graphs / compiled steps are reused
+                if self._fixed_shapes(model):  # a few prompt widths recur: captured graphs are reused
                     ids, mask = pad_left_to(prompt_ids, prompt_mask, STATIC_PAD, self.pad_id)
                 for s in range(0, ids.shape[0], self.batch_size):
                     rows = slice(s, s + self.batch_size)
@@ -149,22 +150,22 @@ class FastDecoder:
         return dev.type == "cuda" and self.cuda_graphs != "off"
 
     def _fixed_shapes(self, model: nn.Module) -> bool:
-        """Graphs or a compiled step want few distinct shapes (padded prompts, bucketed attention lengths); a plain
-        eager step is cheapest on exact ones (the CPU). ``cuda_graphs="on"`` without CUDA keeps the graphs' shapes,
+        """Graphs want few distinct shapes (padded prompts, bucketed attention lengths); an uncaptured step is
+        cheapest on exact ones (the CPU; the compiled pieces do not depend on the cache length). ``cuda_graphs="on"`` without CUDA keeps the graphs' shapes,
         eagerly: the graph path's padding and buckets, testable on the CPU."""
-        return self.compile or self._graphs_on(model) or self.cuda_graphs == "on"
+        return self._graphs_on(model) or self.cuda_graphs == "on"
 
     def _decoder_for(self, model: nn.Module) -> Decoder:
         if self._decoder is None or self._decoder.model is not model:
-            self._decoder = Decoder(model)
-            self.free()
-            if self.compile:  # one graph per bucket length (and shape): allow as many as compiled layers do
+            if self.compile:  # one graph per batch size: allow as many as compiled layers do
                 from gearlab.parallel.compiling import raise_recompile_limit
 
                 raise_recompile_limit()
-                # the forward only: Inductor's scan over a 151,936-wide vocabulary (the sampler's cumsum) fails
-                # to generate code in torch 2.11, and the sampling is a handful of kernels anyway
-                self._logits_fn = torch.compile(self._step_logits, dynamic=False)
+            # compiled: each layer's pieces around attention (Decoder), not the whole step — a whole 28-layer step
+            # compiled once per bucket length took minutes, and Inductor's scan over a 151,936-wide vocabulary (the
+            # sampler's cumsum) fails to generate code in torch 2.11
+            self._decoder = Decoder(model, compile=self.compile)
+            self.free()
         return self._decoder
 
     def _decode(self, dec: Decoder, ids: Tensor, mask: Tensor, seeds: Tensor, sp: SamplingParams) -> tuple[Tensor, Tensor, int]:
@@ -234,7 +235,7 @@ class FastDecoder:
 
     def _step(self, dec: Decoder, run: _Run, length: int, sp: SamplingParams) -> None:
         """Decode one token for every row: feed ``run.tok`` (cache position P + step - 1), sample token ``step``."""
-        self._emit(run, self._logits_fn(dec, run, length), sp)
+        self._emit(run, self._step_logits(dec, run, length), sp)
 
     def _step_logits(self, dec: Decoder, run: _Run, length: int) -> Tensor:
         """The forward of one decode step: ``run.tok`` at cache position P + step - 1 → logits [B, V]."""
