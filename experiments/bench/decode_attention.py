@@ -4,7 +4,8 @@
 
 Shape (the benchmark's Qwen3-0.6B step): batch 128, 16 query heads over 8 K/V heads, head dim 128, bf16, one query
 position, 28 layers each with its own cache (so nothing stays in L2), attention over the first L positions (the
-bucket) under a boolean mask (left padding, unfilled positions). Per variant and L: microseconds per layer and the
+bucket) under a boolean mask (left padding, unfilled positions). Each variant's sweep of the 28 layers is captured in
+one CUDA graph and replayed, so launch overhead is not counted. Per variant and L: microseconds per layer and the
 effective bandwidth of reading K and V (the floor: 2 · B · H_kv · L · D · 2 bytes per layer).
 
 Variants:
@@ -12,7 +13,8 @@ Variants:
                    boolean mask; PyTorch picks the backend (cuDNN flash on H100/H200 with torch 2.11)
   sdpa_efficient   the same, the memory-efficient backend forced
   sdpa_math        the same, the math backend forced
-  sdpa_gqa         SDPA with 16 query heads and ``enable_gqa=True``, boolean mask
+  sdpa_cudnn       the same, the cuDNN backend forced
+  sdpa_gqa         SDPA with 16 query heads and ``enable_gqa=True``, boolean mask (and its _cudnn, _efficient forced)
   flex_decode      ``flex_attention`` compiled (its decoding kernel for short queries), GQA, the mask as a mask_mod
                    over a block mask built for the bucket (built outside the timed loop)
 Each variant's output is compared with sdpa_math's (max |Δ|).
@@ -29,15 +31,30 @@ import torch.nn.functional as F
 B, HQ, HKV, D, LAYERS, PROMPT = 128, 16, 8, 128, 28, 64
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Mean microseconds per layer over ``reps`` sweeps of all layers (after 3 warm-up sweeps)."""
-    for _ in range(3):
+def _time(fn, backend=None, reps: int = 50) -> float:
+    """Mean microseconds per layer of ``fn`` (a sweep over all layers) captured in one CUDA graph and replayed
+    ``reps`` times: kernel time without launch gaps, as the fast path runs it. ``backend`` forces an SDPA backend
+    for the warm-up and the capture."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import sdpa_kernel
+
+    ctx = (lambda: sdpa_kernel([backend])) if backend is not None else nullcontext
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), ctx():
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), ctx():
         fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return 1000 * start.elapsed_time(end) / reps / LAYERS
@@ -82,9 +99,13 @@ def main() -> None:
         with sdpa_kernel([SDPBackend.MATH]):
             ref = grouped(0).float()
         variants = {"sdpa_grouped": (grouped, None), "sdpa_efficient": (grouped, SDPBackend.EFFICIENT_ATTENTION),
-                    "sdpa_math": (grouped, SDPBackend.MATH),
-                    "sdpa_gqa": (lambda i: F.scaled_dot_product_attention(q, ks[i][:, :, :L], vs[i][:, :, :L], attn_mask=mask,
-                                                                        enable_gqa=True), None)}
+                    "sdpa_math": (grouped, SDPBackend.MATH), "sdpa_cudnn": (grouped, SDPBackend.CUDNN_ATTENTION)}
+
+        def gqa(i):
+            return F.scaled_dot_product_attention(q, ks[i][:, :, :L], vs[i][:, :, :L], attn_mask=mask, enable_gqa=True)
+
+        variants.update({"sdpa_gqa": (gqa, None), "sdpa_gqa_cudnn": (gqa, SDPBackend.CUDNN_ATTENTION),
+                         "sdpa_gqa_efficient": (gqa, SDPBackend.EFFICIENT_ATTENTION)})
         if flex is not None:
             def mask_mod(b, h, q_idx, kv_idx):
                 return visible[b, kv_idx]
@@ -95,12 +116,11 @@ def main() -> None:
                 row["flex_decode_error"] = f"{type(e).__name__}: {e}"[:300]
         for name, (f, backend) in variants.items():
             try:
+                us = _time(sweep(f), backend)
                 if backend is None:
-                    us = _time(sweep(f))
                     out = f(0)
                 else:
                     with sdpa_kernel([backend]):
-                        us = _time(sweep(f))
                         out = f(0)
                 row[name] = {"us_per_layer": round(us, 1), "GB_per_s": round(row["floor_MB_per_layer"] / us * 1e3, 0),
                              "max_abs_diff_vs_math": float((out.float() - ref).abs().max())}

@@ -11,6 +11,10 @@ by top-k / top-p only when those are set; the log-prob returned for a sampled to
 at that token, over the FULL vocabulary (what the trainer's forward computes), also when top-k / top-p narrowed
 the draw. Greedy decoding takes the argmax (lowest id on ties, as ``torch.argmax``).
 
+The draw is inverse-CDF sampling done in two levels (``inverse_cdf``: find the block of 128 tokens, then the
+token inside it), which picks the same token as one scan over the vocabulary except where float rounding of the
+partial sums differs (a draw within ~1e-7 of an interval's edge).
+
 Simplifications: the uniform has 24 random bits (a float32's resolution, the same as the float32 CDF it is
 compared with); the hash is the 32-bit "lowbias" integer mixer applied three times, not a cryptographic
 generator — its uniformity is tested, not proven.
@@ -21,6 +25,7 @@ import torch
 from torch import Tensor
 
 _M32 = 0xFFFFFFFF
+BLOCK = 128  # tokens per block of the two-level inverse CDF (inverse_cdf)
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -71,8 +76,28 @@ def sample_rows(logits: Tensor, seeds: Tensor, step: Tensor, *, temperature: flo
     else:
         # the full distribution is exp(logp_all) already; only a narrowed one needs its own softmax
         probs = torch.softmax(narrow(z, top_k, top_p), dim=-1) if top_k or top_p < 1.0 else logp_all.exp()
-        cdf = probs.cumsum(-1)
-        # scaled to the CDF's own total so float rounding can neither push u past the last token nor bias it
-        u = row_uniforms(seeds, step) * cdf[:, -1]
-        tok = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+        tok = inverse_cdf(probs, row_uniforms(seeds, step))
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def inverse_cdf(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
+    """The token whose CDF interval holds ``u · total``: probs [B, V] float32 (≥ 0, any total > 0), u [B] in [0, 1)
+    → token ids [B] int64, always a token of positive probability.
+
+    Two levels, so no scan runs over the whole vocabulary (one over 128 × 151,936 took 0.26 ms of a 4.7 ms decode
+    step on an H100): the vocabulary is cut into blocks of ``block`` tokens; a scan over the block totals finds the
+    block, a scan inside that block finds the token. The target is clamped into the chosen block's own interval, so
+    float rounding (the block totals and the in-block sums add in different orders) can move a draw at most to a
+    neighbouring token of the same block, never onto a zero-probability token or off the end."""
+    B, V = probs.shape
+    nb = -(-V // block)
+    p = torch.nn.functional.pad(probs, (0, nb * block - V)).view(B, nb, block)
+    totals = p.sum(-1)  # [B, nb]
+    cdf = totals.cumsum(-1)
+    target = u * cdf[:, -1]
+    j = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=nb - 1)  # [B, 1] the block
+    inside = p.gather(1, j[:, :, None].expand(B, 1, block)).squeeze(1).cumsum(-1)  # [B, block]
+    before = cdf.gather(1, j) - totals.gather(1, j)  # [B, 1] mass of the blocks before j
+    r = torch.minimum((target[:, None] - before).clamp_(min=0.0), inside[:, -1:] * (1.0 - 2.0**-23))
+    k = torch.searchsorted(inside, r, right=True)  # < block: r < the block's total
+    return (j * block + k).squeeze(-1)

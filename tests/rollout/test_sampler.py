@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gearlab.rollout.sampler import narrow, row_uniforms, sample_rows
+from gearlab.rollout.sampler import inverse_cdf, narrow, row_uniforms, sample_rows
 
 
 def test_uniforms_are_a_function_of_seed_and_step_only():
@@ -66,3 +66,25 @@ def test_top_k_and_top_p_narrow_the_draw():
     assert abs((tok == 0).double().mean().item() - 0.5 / 0.7) < 0.03
     assert torch.allclose(lp, logits[0, tok])  # the FULL distribution's log-prob, as the trainer computes it
     assert math.isclose(float(torch.exp(lp).max()), 0.5, rel_tol=1e-5)
+
+
+def test_the_two_level_inverse_cdf_picks_the_single_scans_token_and_never_an_impossible_one():
+    """inverse_cdf (a block of 128 tokens, then the token in it) against one scan over the whole vocabulary, on
+    vocabularies of several blocks with a ragged last one; and on sparse distributions (whole blocks of zeros,
+    u up to the largest uniform) it never returns a token of probability 0."""
+    g = torch.Generator().manual_seed(0)
+    B, V = 4000, 1000  # 8 blocks, the last one 104 tokens wide
+    probs = torch.softmax(3 * torch.randn(B, V, generator=g), -1)
+    u = torch.rand(B, generator=g)
+    cdf = probs.cumsum(-1)
+    ref = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    assert (inverse_cdf(probs, u) == ref).float().mean() > 0.999  # differs only within float rounding of an edge
+    sparse = probs * (torch.rand(B, V, generator=g) < 0.01)
+    sparse[:, 128:512] = 0.0  # whole blocks empty
+    sparse[:, 5] += 1e-3  # every row keeps some mass
+    u = torch.cat([torch.rand(B - 2, generator=g), torch.tensor([0.0, 1 - 2.0**-24])])
+    tok = inverse_cdf(sparse, u)
+    assert bool((sparse.gather(1, tok[:, None]) > 0).all())
+    one = torch.zeros(3, V)
+    one[:, 999] = 0.25  # the only possible token is the vocabulary's last
+    assert inverse_cdf(one, torch.tensor([0.0, 0.5, 1 - 2.0**-24])).tolist() == [999] * 3
