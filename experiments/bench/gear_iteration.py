@@ -51,7 +51,7 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     cfg = load_config([f"trainer.devices={a.devices}", f"trainer.strategy={a.strategy}", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
                        f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", "model.dtype=float32",
-                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.max_new_tokens={a.new}",
+                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", "rollout.engine=hf", f"rollout.max_new_tokens={a.new}",
                        "rollout.batch_size=128", "algorithm.micro_batch_size=8", "trainer.activation_checkpointing=true",
                        "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={a.iters}", f"assigner={a.assigner}"])
     tok = build_tokenizer()

@@ -76,7 +76,7 @@ def main() -> None:
     cfg = load_config([f"trainer.devices={a.devices}", "trainer.strategy=fsdp2", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
                        f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", f"trainer.activation_checkpointing={bool(a.checkpointing)}",
                        f"algorithm.micro_batch_size={a.micro_batch}", f"rollout.prompts_per_step={a.prompts}",
-                       f"rollout.group_size={G}", "model.dtype=float32", f"signals.chunk_size={a.chunk_size}",
+                       f"rollout.group_size={G}", "rollout.engine=hf", "model.dtype=float32", f"signals.chunk_size={a.chunk_size}",
                        f"trainer.cpu_offload={bool(a.cpu_offload)}", f"trainer.compile={bool(a.compile)}"])
     torch.manual_seed(0)
     mcfg = Qwen3Config(vocab_size=V, max_position_embeddings=8192, rope_theta=1e6, **SHAPES[a.shape])

@@ -105,7 +105,7 @@ def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_
         from gearlab.models.loading import load_for_evaluation
 
         model, tokenizer, model_name = load_for_evaluation(cfg)
-    engine = engine_from_config(tokenizer, task, cfg)
+    engine = engine_from_config(tokenizer, task, cfg, model=model)
     path = Path(cfg.credit_eval.rollouts) if cfg.credit_eval.rollouts else None
     rb, problems, info = cached_rollouts(cfg, model, engine, task, path, cfg.credit_eval.prompts, str(model_name))
     G = int(info["group_size"])

@@ -95,7 +95,7 @@ def inspect(cfg: Config) -> dict[str, str]:
     model, tok, model_name = load_for_evaluation(cfg)
     G = cfg.rollout.group_size
     problems = task.problems("test", cfg.inspect.prompts, cfg.trainer.seed)
-    engine = engine_from_config(tok, task, cfg)
+    engine = engine_from_config(tok, task, cfg, model=model)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     rb = engine.generate(model, problems, group_size=G, sampling=sampling, seed=cfg.trainer.seed)

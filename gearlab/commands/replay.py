@@ -128,7 +128,7 @@ def replay(cfg: Config) -> dict[str, Any]:
     task = task_from_config(cfg)
     path = Path(cfg.replay.rollouts)
     model, tok, model_name = load_for_evaluation(cfg)
-    engine = engine_from_config(tok, task, cfg)
+    engine = engine_from_config(tok, task, cfg, model=model)
     rb, problems, info = cached_rollouts(cfg, model, engine, task, path, cfg.replay.prompts, model_name)
     G = int(info["group_size"])
     names = applicable_methods(task, list(cfg.replay.assigners), "replay.assigners")

@@ -100,6 +100,7 @@ class Decoder:
         self.n_kv = cfg.num_key_value_heads
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
         self._attn_in, self._attn_out = attn_inputs, attn_output_and_mlp
+        self.compiled = compile
         if compile:
             # the two pieces around attention, for decode steps: their shapes are the same at every step and every
             # cache length, so each compiles once (per batch size) and the elementwise work between the matmuls
@@ -137,9 +138,11 @@ class Decoder:
             kc.index_copy_(2, write_at, k.to(kc.dtype))
             vc.index_copy_(2, write_at, v.to(vc.dtype))
             H = q.shape[1]
-            if S == 1 and H != self.n_kv:
+            if S == 1 and H != self.n_kv and not kc.is_cuda:
                 # one decode position: the query heads sharing a K/V head become that head's "query positions", so
-                # each K/V head is read once and no expanded copy exists (head h uses K/V head h // (H / H_kv), as HF)
+                # each K/V head is read once and no expanded copy exists (head h uses K/V head h // (H / H_kv), as HF).
+                # On CUDA, SDPA's own grouped-query path (cuDNN) is faster at decode: 54 vs 70 µs per layer on an
+                # H100 at batch 128 over 128-320 cached positions (experiments/bench/results/decode_attention_h100.json)
                 qg = q.reshape(B, self.n_kv, H // self.n_kv, self.head_dim)
                 o = F.scaled_dot_product_attention(qg, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
                                                    scale=self.scaling).reshape(B, H, 1, self.head_dim)

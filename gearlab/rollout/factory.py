@@ -1,8 +1,15 @@
 """Which rollout engine a run uses: the multi-turn loop for multi-turn tasks, else single-turn sampling; HF
-``generate`` or a vLLM engine as the token generator. The only module that knows every engine."""
+``generate``, gearlab's fast decoder or a vLLM engine as the token generator (``rollout.engine=auto`` chooses
+between the first two: ``resolve_engine``). The only module that knows every engine."""
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import nn
+
 from gearlab.rollout.base import TokenGenerator
+from gearlab.rollout.decoder import supports
 from gearlab.rollout.fast import FastDecoder
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.multiturn import MultiTurnRolloutEngine
@@ -23,16 +30,32 @@ def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: s
                            static_cache=static_cache)
 
 
-def engine_from_config(tokenizer, task: Task, cfg, *, training: bool = False) -> HFRolloutEngine:
+def resolve_engine(cfg: Any, model: nn.Module | None) -> str:
+    """``rollout.engine`` made concrete. ``auto`` is ``fast`` when the policy decodes on CUDA, one unsharded copy
+    per process (a sharded FSDP policy is gathered anew for each rollout, so its graphs would be captured again
+    each time), and gearlab's decoder runs ``model``'s layout (``decoder.supports``); otherwise ``hf``. The other
+    values are returned as they are."""
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    from gearlab.parallel.distributed import strategy_name
+
+    acc = cfg.trainer.accelerator
+    cuda = acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
+    ok = cuda and model is not None and strategy_name(cfg) in ("single", "ddp") and supports(model) is None
+    return "fast" if ok else "hf"
+
+
+def engine_from_config(tokenizer, task: Task, cfg, *, training: bool = False, model: nn.Module | None = None) -> HFRolloutEngine:
     """``make_engine`` with the ``rollout`` / ``trainer`` settings of a gearlab Config. ``training``: the
     engine of a training run, the only one that uses ``rollout.engine=vllm`` (evaluation, inspect and
     replay decode with HF ``generate`` then). ``rollout.engine=fast`` decodes the policy itself, so every
-    command uses it."""
+    command uses it. ``model``: the policy, for ``rollout.engine=auto`` (``resolve_engine``; without it, hf)."""
     r = cfg.rollout
+    engine = resolve_engine(cfg, model)
     generator: TokenGenerator | None = None
-    if training and r.engine == "vllm":
+    if training and engine == "vllm":
         generator = VLLMGenerator.from_config(tokenizer, cfg)
-    elif r.engine == "fast":
+    elif engine == "fast":
         generator = FastDecoder.from_config(tokenizer, cfg)
     return make_engine(tokenizer, task, batch_size=r.batch_size, reward_errors=cfg.trainer.reward_errors,
                        max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, generator=generator,

@@ -8,8 +8,9 @@ masked, so that few shapes recur; uncaptured, on the CPU, L is the filled length
 with per-row seeds (``gearlab.rollout.sampler``: row i of a call uses ``seed + i``, as the vLLM engine) and
 records it with its log-prob. Rows that emitted a stop token keep running but write padding; the loop ends when
 every row is done (checked every ``check_every`` steps, the only host synchronisation) or after
-``max_new_tokens``. ``compile=True`` (``rollout.fast.compile``) compiles each layer's pieces around attention
-(``Decoder``): one graph per batch size, fusing the elementwise kernels a small model's step is mostly made of.
+``max_new_tokens``. ``compile`` (``rollout.fast.compile``; default: on with CUDA) compiles each layer's pieces
+around attention (``Decoder``): one graph per batch size, fusing the elementwise kernels a small model's step is
+mostly made of.
 
 On CUDA, one graph per (batch, prompt length, bucket, sampling settings) is captured on first use and replayed
 after; graphs keep pointers to the weights, which optimizer steps update in place, so they stay valid across
@@ -62,7 +63,7 @@ class FastDecoder:
     """gearlab's ``TokenGenerator`` on the policy's own weights (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, *, batch_size: int = 64, cuda_graphs: str = "auto", bucket: int = 64,
-                 check_every: int = 8, compile: bool = False) -> None:
+                 check_every: int = 8, compile: bool | None = None) -> None:
         self.tok = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer)
@@ -70,7 +71,7 @@ class FastDecoder:
         self.cuda_graphs = cuda_graphs  # auto (on with CUDA) | on | off
         self.bucket = bucket
         self.check_every = check_every
-        self.compile = compile
+        self.compile = compile  # None: on with CUDA (resolved per policy, in _decoder_for)
         self._runs: dict[tuple, _Run] = {}
         self._decoder: Decoder | None = None
         self._pool = None
@@ -151,20 +152,22 @@ class FastDecoder:
 
     def _fixed_shapes(self, model: nn.Module) -> bool:
         """Graphs want few distinct shapes (padded prompts, bucketed attention lengths); an uncaptured step is
-        cheapest on exact ones (the CPU; the compiled pieces do not depend on the cache length). ``cuda_graphs="on"`` without CUDA keeps the graphs' shapes,
-        eagerly: the graph path's padding and buckets, testable on the CPU."""
+        cheapest on exact ones (the CPU; the compiled pieces do not depend on the cache length).
+        ``cuda_graphs="on"`` without CUDA keeps the graphs' shapes, eagerly: the graph path's padding and buckets,
+        testable on the CPU."""
         return self._graphs_on(model) or self.cuda_graphs == "on"
 
     def _decoder_for(self, model: nn.Module) -> Decoder:
-        if self._decoder is None or self._decoder.model is not model:
-            if self.compile:  # one graph per batch size: allow as many as compiled layers do
+        compile = self.compile if self.compile is not None else next(model.parameters()).is_cuda
+        if self._decoder is None or self._decoder.model is not model or self._decoder.compiled != compile:
+            if compile:  # one graph per batch size: allow as many as compiled layers do
                 from gearlab.parallel.compiling import raise_recompile_limit
 
                 raise_recompile_limit()
             # compiled: each layer's pieces around attention (Decoder), not the whole step — a whole 28-layer step
             # compiled once per bucket length took minutes, and Inductor's scan over a 151,936-wide vocabulary (the
             # sampler's cumsum) fails to generate code in torch 2.11
-            self._decoder = Decoder(model, compile=self.compile)
+            self._decoder = Decoder(model, compile=compile)
             self.free()
         return self._decoder
 

@@ -85,7 +85,7 @@ def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     per = -(-len(problems) // world)
     weight = torch.tensor([1.0] * len(mine) + [0.0] * (per - len(mine)))
     mine = mine + problems[:1] * (per - len(mine))
-    engine = engine_from_config(tok, task, cfg)
+    engine = engine_from_config(tok, task, cfg, model=model)
     engine.synced_gpus = world > 1  # ranks decode different problems: keep their forward passes in step
     dev = next(model.parameters()).device
     t0 = time.time()

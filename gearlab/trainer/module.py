@@ -56,7 +56,7 @@ class GRPOModule(L.LightningModule):
             self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
                                               chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size,
                                               packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
-        self.engine = engine_from_config(tokenizer, task, cfg, training=True)
+        self.engine = engine_from_config(tokenizer, task, cfg, training=True, model=policy)
         self.generator = self.engine.generator  # None: HF generate on the policy; else e.g. a colocated vLLM engine
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                                       micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer,

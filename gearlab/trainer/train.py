@@ -26,6 +26,7 @@ from gearlab.config import Config, ConfigError, to_yaml
 from gearlab.credit.options import OptionError
 from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, load_policy
 from gearlab.parallel import distributed
+from gearlab.rollout.factory import resolve_engine
 from gearlab.trainer.data import PromptDataModule
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
@@ -285,6 +286,8 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     model, tok, model_name = load_policy(cfg)
+    # auto → fast | hf, before config.yaml and the MLflow params are written: they record the engine that ran
+    cfg.rollout.engine = resolve_engine(cfg, model)
     if cfg.rollout.engine == "fast":  # before the run directory or the MLflow run exists
         from gearlab.rollout.decoder import supports
 

@@ -32,6 +32,8 @@ def test_train_logs_to_mlflow(tmp_path, tiny_model_dir):
     assert run.info.status == "FINISHED"
     assert {"assigner", "seed", "task", "model", "git_sha"} <= set(run.data.tags)
     assert run.data.tags["assigner"] == "grpo" and run.data.params["rollout.group_size"] == "4"
+    # rollout.engine=auto (the default) is recorded as the engine it resolved to: HF generate without a GPU
+    assert run.data.params["rollout.engine"] == "hf" and "engine: hf" in (res.run_dir / "config.yaml").read_text()
     hist = client.get_metric_history(res.mlflow_run_id, "train/reward")
     assert sorted(m.step for m in hist) == [0, 1, 2]  # MLflow step = RL iteration
     keys = set(run.data.metrics)

@@ -1,0 +1,42 @@
+"""rollout.engine=auto: the fast decoder where it is proven and fast (one unsharded CUDA policy of a layout it runs),
+HF generate everywhere else; a training run records the engine it resolved to."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from gearlab.config import ConfigError, load_config
+from gearlab.rollout.factory import engine_from_config, resolve_engine
+from gearlab.rollout.fast import FastDecoder
+from gearlab.tasks.registry import get_task
+
+
+@pytest.mark.parametrize("overrides, cuda, supported, expected", [
+    ([], True, True, "fast"),
+    ([], False, True, "hf"),  # no GPU: HF generate, as before the fast path existed
+    (["trainer.accelerator=cpu"], True, True, "hf"),
+    ([], True, False, "hf"),  # a layout the decoder does not run
+    (["trainer.devices=2", "trainer.strategy=fsdp2"], True, True, "hf"),  # sharded: gathered anew each rollout
+    (["trainer.devices=2", "trainer.strategy=ddp"], True, True, "fast"),
+    (["rollout.engine=hf"], True, True, "hf"),  # an explicit choice stays
+    (["rollout.engine=fast"], False, True, "fast"),
+])
+def test_auto_picks_the_fast_decoder_only_for_one_unsharded_cuda_policy_it_runs(
+        monkeypatch, tiny_model_factory, overrides, cuda, supported, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = load_config(overrides)
+    model = tiny_model_factory(0) if supported else GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert resolve_engine(cfg, model) == expected
+
+
+def test_the_engine_built_for_auto_and_the_corrections_that_need_an_explicit_engine(monkeypatch, tokenizer, tiny_model_factory):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config([])
+    assert cfg.rollout.engine == "auto"
+    engine = engine_from_config(tokenizer, get_task("arith"), cfg, model=tiny_model_factory(0))
+    assert isinstance(engine.generator, FastDecoder) and engine.generator.compile is None  # None: compile on CUDA
+    assert engine_from_config(tokenizer, get_task("arith"), cfg).generator is None  # no policy given: HF generate
+    # an importance correction needs the engine's log-probs, which HF generate does not give: auto is not enough
+    with pytest.raises(ConfigError, match="key 'algorithm.engine_is': .*set rollout.engine=vllm or fast"):
+        load_config(["algorithm.engine_is=token_truncate"])
