@@ -23,7 +23,7 @@ def main() -> None:
     per_iter = [b - a for a, b in zip([0.0] + tokens[:-1], tokens)]
     graphs = hist("compile/graphs_total")
     later = rollout[1:] or rollout
-    out = {"run_id": run.info.run_id, "iterations": len(rollout),
+    out = {"run_id": run.info.run_id, "engine": run.data.params.get("rollout.engine"), "iterations": len(rollout),
            "rollout_tokens_per_s_median": round(statistics.median(t / s for t, s in zip(per_iter[1:], rollout[1:])), 1) if len(rollout) > 1 else None,
            "rollout_s_median": round(statistics.median(later), 3) if later else None, "response_len": hist("train/response_len")[-5:],
            "decode_ms_per_step_median": round(statistics.median(hist("fast/ms_per_step")[1:] or [0]), 3),
