@@ -130,7 +130,9 @@ def check_06b(res: dict) -> None:
         static = HFRolloutEngine(tok, task, batch_size=len(ids), static_cache=True)
         s, _ = timed(lambda: static.sample(model, ids, mask, sp, seed=0))
         out["hf_static_compiled_ms_per_step"] = round(1000 * s / bench.NEW, 2)
-    for name, kw in (("fast_eager", dict(cuda_graphs="off")), ("fast_graphs", {}), ("fast_compiled_graphs", dict(compile=True))):
+    # compile set explicitly: its default (None) is on with CUDA
+    for name, kw in (("fast_eager", dict(cuda_graphs="off", compile=False)), ("fast_graphs", dict(compile=False)),
+                     ("fast_compiled_graphs", dict(compile=True))):
         if name != "fast_eager" and DEV.type != "cuda":
             continue
         gen = FastDecoder(tok, batch_size=len(ids), **kw)

@@ -11,9 +11,13 @@ Qwen3), ``input_layernorm``, ``post_attention_layernorm`` and ``mlp``, full atte
 SmolLM2, Mistral without a sliding window). ``supports(model)`` says whether a model qualifies; the fast engine
 refuses the others with a one-line reason.
 
+``compile=True`` compiles the two pieces of a layer around attention (``attn_inputs``, ``attn_output_and_mlp``)
+for decode steps; one graph of each serves every layer and every cache length.
+
 Simplifications: attention is PyTorch's ``scaled_dot_product_attention`` over the first ``L`` cache positions (a
-bucket length fixed per captured graph, ≥ the filled length) with a boolean mask; the numerics equal HF's SDPA
-path to float tolerance (tested: greedy tokens equal ``generate``'s, log-probs equal the trainer's).
+bucket length fixed per captured graph, ≥ the filled length) with a boolean mask — on CUDA at decode its own
+grouped-query path; the numerics equal HF's SDPA path to float tolerance (tested: greedy tokens equal
+``generate``'s, log-probs equal the trainer's).
 """
 from __future__ import annotations
 
