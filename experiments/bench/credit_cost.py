@@ -9,6 +9,9 @@ GRPO's training-side time is measured two ways, and each method's extra time is 
     ppo_epochs > 1 or mini_batches > 1) + the update (forward + backward over the batch);
   * ``grpo_onpolicy_s``  = the update alone (gearlab's strictly on-policy default skips the old-log-prob pass).
 A method's cost = (its signal pass, which also yields the π_old log-probs) + assign + the same update.
+With the entropy taken from the update's own forward (methods whose ``chunk_local`` allows it), the extra is
+measured against GRPO's update in alternating pairs (``paired_timed``): the median of the per-pair differences
+and their range, not one update timed at the start against one timed later.
 Peak memory: the allocator's peak during the signal computation minus the peak of a plain no-grad
 forward of one micro-batch (GPU only; "the model's forward at that size").
 """
@@ -52,6 +55,25 @@ def timed(fn, dev, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def paired_timed(base, variant, dev, repeats: int) -> dict:
+    """``base`` and ``variant`` timed alternately, ``repeats`` pairs after one warm-up of each, so slow drift of
+    the machine (clocks, temperature, the allocator) falls on both. Returns the median of each, and the median and
+    range of the per-pair relative difference (variant − base) / base."""
+    base(), variant()
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, times in ((base, a), (variant, b)):
+            sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+    rel = [(y - x) / x for x, y in zip(a, b)]
+    return {"base_s": round(statistics.median(a), 4), "variant_s": round(statistics.median(b), 4),
+            "extra_median": round(statistics.median(rel), 4), "extra_min": round(min(rel), 4),
+            "extra_max": round(max(rel), 4), "pairs": repeats}
+
+
 def update_pass(model, batch: RolloutBatch, adv, micro: int, temperature: float, chunk: int, assign=None) -> None:
     """Forward + backward of the clipped surrogate over the batch in micro-batches (gradients accumulate).
     ``assign`` (in-forward credit, as the trainer's ``signals.entropy_in_forward``): a function (micro-batch, its
@@ -89,7 +111,7 @@ def cpu_setup(args):
     problems = task.problems("test", 16, 0)
     engine = HFRolloutEngine(tok, task)
     rb = engine.generate(model, problems, group_size=8, sampling=SamplingParams(max_new_tokens=48), seed=0, with_teacher="answer")
-    return model, tok, rb, dict(micro=16, chunk=256, repeats=3, desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32")
+    return model, tok, rb, dict(micro=16, chunk=256, repeats=3, pairs=5, desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32")
 
 
 def gpu_setup(args):
@@ -122,7 +144,7 @@ def gpu_setup(args):
                       teacher_prompt_mask=torch.ones(B, P + 32, dtype=torch.long))
     rb = rb.with_(**{k: v.to(dev) for k, v in vars(rb).items() if isinstance(v, torch.Tensor)})
     n = sum(p.numel() for p in model.parameters())
-    return model, tok, rb, dict(micro=1, chunk=256, repeats=2,
+    return model, tok, rb, dict(micro=1, chunk=256, repeats=2, pairs=5,
                                 desc=f"Qwen3-0.6B shape ({n / 1e6:.0f}M params, vocab 151,936), random bf16 weights, "
                                      f"{B} sequences × (256 prompt + {T} response) tokens, micro-batch 1, gradient checkpointing")
 
@@ -193,9 +215,12 @@ def main() -> None:
         in_fwd = {}
         if set(a.needs) == {credit.Signal.ENTROPY} and a.chunk_local(p["micro"]):
             hook = lambda mb, r, ent: a.assign(mb, adv[r], {credit.Signal.ENTROPY: ent}).token_advantages  # noqa: E731
-            fwd_s, _ = timed(lambda: update_pass(model, rb, tadv, p["micro"], temperature, p["chunk"], assign=hook), dev, p["repeats"])
-            in_fwd = {"entropy_in_forward_update_s": round(fwd_s, 4),
-                      "extra_vs_grpo_onpolicy_in_forward": round((fwd_s - upd_s) / upd_s, 4)}
+            pair = paired_timed(lambda: update_pass(model, rb, tadv, p["micro"], temperature, p["chunk"]),
+                                lambda: update_pass(model, rb, tadv, p["micro"], temperature, p["chunk"], assign=hook),
+                                dev, p["pairs"])
+            in_fwd = {"entropy_in_forward_update_s": pair["variant_s"], "grpo_update_paired_s": pair["base_s"],
+                      "extra_vs_grpo_onpolicy_in_forward": pair["extra_median"],
+                      "extra_in_forward_range": [pair["extra_min"], pair["extra_max"]], "pairs": pair["pairs"]}
         rows.append({
             "assigner": name, "needs": sorted(s.value for s in a.needs),
             "signal_pass_s": round(sig_s, 4), "assign_s": round(asg_s, 4),
@@ -218,7 +243,10 @@ def main() -> None:
     print("\n| assigner | signals | extra vs GRPO (π_old pass + update) | extra vs on-policy GRPO (update only) | "
           "same, entropy from the update's forward | signal peak over fwd (GiB) |\n|---|---|---|---|---|---|")
     for r in rows:
-        fwd = f"{r['extra_vs_grpo_onpolicy_in_forward']:+.1%}" if "extra_vs_grpo_onpolicy_in_forward" in r else "–"
+        fwd = "–"
+        if "extra_vs_grpo_onpolicy_in_forward" in r:
+            lo, hi = r["extra_in_forward_range"]
+            fwd = f"{r['extra_vs_grpo_onpolicy_in_forward']:+.1%} (pairs {lo:+.1%} … {hi:+.1%})"
         print(f"| {r['assigner']} | {', '.join(r['needs']) or '–'} | {r['extra_vs_grpo_offpolicy']:+.1%} | "
               f"{r['extra_vs_grpo_onpolicy']:+.1%} | {fwd} | {r['signal_peak_gib_over_forward']} |")
     print(f"\nwrote {out}")
