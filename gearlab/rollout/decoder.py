@@ -107,11 +107,12 @@ class Decoder:
         self.compiled = compile
         if compile:
             # the two pieces around attention, for decode steps: their shapes are the same at every step and every
-            # cache length, so each compiles once (per batch size) and the elementwise work between the matmuls
-            # (RMSNorm's fp32 round trip, rotary, SiLU·mul, residual adds) fuses; attention and the cache writes
-            # stay eager, one kernel each
-            self._attn_in = torch.compile(attn_inputs, dynamic=False)
-            self._attn_out = torch.compile(attn_output_and_mlp, dynamic=False)
+            # cache length, so each compiles once for the first batch size (and once more, with a dynamic batch
+            # size, when another comes: multi-turn rollouts and evaluation vary it), and the elementwise work
+            # between the matmuls (RMSNorm's fp32 round trip, rotary, SiLU·mul, residual adds) fuses; attention and
+            # the cache writes stay eager, one kernel each
+            self._attn_in = torch.compile(attn_inputs)
+            self._attn_out = torch.compile(attn_output_and_mlp)
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype activations and the cache take: autocast's if it is on, else the weights'."""

@@ -9,8 +9,8 @@ with per-row seeds (``gearlab.rollout.sampler``: row i of a call uses ``seed + i
 records it with its log-prob. Rows that emitted a stop token keep running but write padding; the loop ends when
 every row is done (checked every ``check_every`` steps, the only host synchronisation) or after
 ``max_new_tokens``. ``compile`` (``rollout.fast.compile``; default: on with CUDA) compiles each layer's pieces
-around attention (``Decoder``): one graph per batch size, fusing the elementwise kernels a small model's step is
-mostly made of.
+around attention (``Decoder``): two graphs for every layer and cache length (two more, batch-size dynamic, once a
+second batch size comes), fusing the elementwise kernels a small model's step is mostly made of.
 
 On CUDA, one graph per (batch, prompt length, bucket, sampling settings) is captured on first use and replayed
 after; graphs keep pointers to the weights, which optimizer steps update in place, so they stay valid across
@@ -160,7 +160,7 @@ class FastDecoder:
     def _decoder_for(self, model: nn.Module) -> Decoder:
         compile = self.compile if self.compile is not None else next(model.parameters()).is_cuda
         if self._decoder is None or self._decoder.model is not model or self._decoder.compiled != compile:
-            if compile:  # one graph per batch size: allow as many as compiled layers do
+            if compile:  # (the limit compiled layers use; the decoder's pieces need at most 2 graphs each)
                 from gearlab.parallel.compiling import raise_recompile_limit
 
                 raise_recompile_limit()

@@ -174,7 +174,8 @@ def test_fsdp2_two_processes_decode_the_gathered_weights(tmp_path, tiny_model_di
 def test_compiled_step_samples_the_same_tokens(setup, tokenizer):
     """rollout.fast.compile=true compiles each layer's pieces around attention: the same tokens and log-probs as the
     eager step, and two graphs in all — shared by every layer and every cache length (a whole-step compile needed
-    one per bucket length, each taking minutes at the 0.6B shape)."""
+    one per bucket length, each taking minutes at the 0.6B shape) — and two more for any number of other batch
+    sizes."""
     from torch._dynamo.utils import counters
 
     model, _, ids, mask = setup
@@ -182,9 +183,16 @@ def test_compiled_step_samples_the_same_tokens(setup, tokenizer):
     eager = FastDecoder(tokenizer, batch_size=8, bucket=8).sample(model, ids, mask, sp, seed=4)
     torch._dynamo.reset()
     counters.clear()
-    compiled = FastDecoder(tokenizer, batch_size=8, bucket=8, compile=True).sample(model, ids, mask, sp, seed=4)
+    fd = FastDecoder(tokenizer, batch_size=8, bucket=8, compile=True)
+    compiled = fd.sample(model, ids, mask, sp, seed=4)
     assert torch.equal(eager[0], compiled[0]) and torch.allclose(eager[2], compiled[2], atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # other batch sizes (multi-turn turns, evaluation): one batch-dynamic recompile of each piece, then none
+    for n in (3, 5, 2):
+        ref = FastDecoder(tokenizer, batch_size=8, bucket=8).sample(model, ids[:n], mask[:n], sp, seed=4)
+        out = fd.sample(model, ids[:n], mask[:n], sp, seed=4)
+        assert torch.equal(ref[0], out[0]) and torch.allclose(ref[2], out[2], atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
 
 
 def test_step_buffers_follow_the_shape_and_freed_graphs_release_their_pool(setup, tokenizer):
