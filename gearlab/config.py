@@ -63,8 +63,8 @@ class FastDecodeConfig:
     cuda_graphs: str = "auto"  # auto (on with CUDA) | on | off: capture each decode step as a CUDA graph (on, CPU: its shapes, eagerly)
     bucket: int = 64  # attention covers the filled cache rounded up to this many tokens (one graph per bucket)
     check_every: int = 8  # decode steps between the checks whether every row has stopped (a host sync each)
-    # torch.compile each layer's pieces around attention before capturing the step (fused kernels; 4.6 vs 7.2 ms a
-    # step on an H100 at the 0.6B shape, ~15 s to compile once); null = auto: on with CUDA
+    # torch.compile each layer's pieces around attention before capturing the step (fused kernels: 4.1 vs 6.8 ms a
+    # step on an H100 at the 0.6B shape, ~2 s more in the first rollout); null = auto: on with CUDA
     compile: Optional[bool] = None
 
 

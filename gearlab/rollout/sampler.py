@@ -94,7 +94,8 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
     p = torch.nn.functional.pad(probs, (0, nb * block - V)).view(B, nb, block)
     totals = p.sum(-1)  # [B, nb]
     cdf = totals.cumsum(-1)
-    target = u * cdf[:, -1]
+    # strictly below the total (u < 1 already keeps it there in float32; the bound makes it independent of that)
+    target = torch.minimum(u * cdf[:, -1], cdf[:, -1] * (1.0 - 2.0**-23))
     j = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=nb - 1)  # [B, 1] the block
     inside = p.gather(1, j[:, :, None].expand(B, 1, block)).squeeze(1).cumsum(-1)  # [B, block]
     before = cdf.gather(1, j) - totals.gather(1, j)  # [B, 1] mass of the blocks before j

@@ -88,3 +88,7 @@ def test_the_two_level_inverse_cdf_picks_the_single_scans_token_and_never_an_imp
     one = torch.zeros(3, V)
     one[:, 999] = 0.25  # the only possible token is the vocabulary's last
     assert inverse_cdf(one, torch.tensor([0.0, 0.5, 1 - 2.0**-24])).tolist() == [999] * 3
+    # all the mass in the first block and the largest uniform: never a token of an empty block after it
+    first = torch.zeros(64, V)
+    first[:, 3] = torch.linspace(0.1, 0.9, 64)
+    assert inverse_cdf(first, torch.full((64,), 1 - 2.0**-24)).tolist() == [3] * 64
