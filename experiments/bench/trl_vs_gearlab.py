@@ -96,7 +96,7 @@ def timed_module(base: type, times: list[dict]) -> type:
             t = {k: upd[k] for k in ("time_rollout_s", "time_signals_credit_s", "time_update_s")}
             t["response_len"] = float(rb.response_mask.sum(-1).float().mean())
             t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-            t.update({k: float(v) for k, v in upd.items() if k.startswith(("fast/", "vllm/", "engine_"))})
+            t.update({k: float(v) for k, v in upd.items() if k.startswith(("fast/", "vllm/", "engine_", "compile/"))})
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             times.append(t)
@@ -201,7 +201,12 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
     res = {"s_per_iter_all": [round(t, 2) for t in tot], "s_per_iter": round(statistics.median(tot[1:]), 2),
            "rollout_s": med("time_rollout_s"), "update_s": med("time_update_s"),
            "peak_gib": round(max(t["peak_gib"] for t in times), 1),
-           "response_len_mean": round(statistics.mean(t["response_len"] for t in times), 1)}
+           "response_len_mean": round(statistics.mean(t["response_len"] for t in times), 1),
+           # per iteration, to tell a slow rollout from a slow update (and a recompiling one: compile/graphs_total)
+           "rollout_s_all": [round(t["time_rollout_s"], 2) for t in times],
+           "update_s_all": [round(t["time_update_s"], 2) for t in times]}
+    if compiled:
+        res["compile_graphs_all"] = [t.get("compile/graphs_total") for t in times]
     if engine == "fast":
         res["decode_ms_per_step"] = med("fast/ms_per_step")
         res["graphs_captured"] = times[-1]["fast/graphs_captured"]
