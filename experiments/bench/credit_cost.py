@@ -43,15 +43,21 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _seconds(fn, dev) -> tuple[float, object]:
+    """Wall seconds of one call of ``fn`` between device synchronisations, and its result."""
+    sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(dev)
+    return time.perf_counter() - t0, out
+
+
 def timed(fn, dev, repeats: int) -> tuple[float, object]:
     fn()  # warm-up
     times, out = [], None
     for _ in range(repeats):
-        sync(dev)
-        t0 = time.perf_counter()
-        out = fn()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
+        t, out = _seconds(fn, dev)
+        times.append(t)
     return statistics.median(times), out
 
 
@@ -62,12 +68,8 @@ def paired_timed(base, variant, dev, repeats: int) -> dict:
     base(), variant()
     a, b = [], []
     for _ in range(repeats):
-        for fn, times in ((base, a), (variant, b)):
-            sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            sync(dev)
-            times.append(time.perf_counter() - t0)
+        a.append(_seconds(base, dev)[0])
+        b.append(_seconds(variant, dev)[0])
     rel = [(y - x) / x for x, y in zip(a, b)]
     return {"base_s": round(statistics.median(a), 4), "variant_s": round(statistics.median(b), 4),
             "extra_median": round(statistics.median(rel), 4), "extra_min": round(min(rel), 4),

@@ -91,7 +91,8 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
     neighbouring token of the same block, never onto a zero-probability token or off the end."""
     B, V = probs.shape
     nb = -(-V // block)
-    p = torch.nn.functional.pad(probs, (0, nb * block - V)).view(B, nb, block)
+    # (a vocabulary that is a whole number of blocks, as Qwen's 151,936, is viewed in place: no copy per step)
+    p = (probs if nb * block == V else torch.nn.functional.pad(probs, (0, nb * block - V))).view(B, nb, block)
     totals = p.sum(-1)  # [B, nb]
     cdf = totals.cumsum(-1)
     # strictly below the total (u < 1 already keeps it there in float32; the bound makes it independent of that)
