@@ -15,7 +15,7 @@ Provenance (docs/credit/gear.md#provenance). The full text of the paper was NOT 
   L_max), the modulation (below), the per-trajectory mass normalisation w ← w·N/Σw, the answer-leak guard
   on by default, and every default value. The live teacher (same weights, detached) is PROPOSED too.
 
-The modulation (``modulation="tanh"``, the default since 2026-11-27; docs/credit/gear.md#modulation) [PROPOSED]:
+The modulation (``modulation="tanh"``, the default; docs/credit/gear.md#modulation) [PROPOSED]:
   e_t = max(0, d_t − d_min)                       the divergence above the absolute floor (nats)
   c   = median of e over the group's onsets       a robust scale per group of G responses (``scale``)
   s_t = log1p(e_t / c)                            0 at or below the floor, log 2 at a typical onset

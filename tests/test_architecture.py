@@ -13,9 +13,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 # bottom to top: a package may import only packages listed before it (and itself)
-LAYERS = ["plugins", "errors", "envs", "parallel", "core", "config", "tasks", "signals", "credit", "rollout", "models", "trainer",
+LAYERS = ["cpu_kernels", "plugins", "errors", "envs", "parallel", "core", "config", "config_help", "tasks", "signals", "credit", "rollout", "models", "trainer",
           "commands", "cli"]
 SHIMS = {"grpo", "batch", "logprobs"}  # the public API's stable top-level paths, re-exporting gearlab.core
 
@@ -108,6 +110,9 @@ def test_packages_import_only_the_layers_below():
         if pkg in SHIMS:
             assert deps <= {f"gearlab.core.{pkg}", "gearlab.core"}, (m, deps)
             continue
+        if m == "gearlab":  # the package root pins the CPU kernels before anything else runs, and does nothing else
+            assert deps == {"gearlab.cpu_kernels"}, deps
+            continue
         for d in deps:
             dp = _package(d)
             if dp != pkg and (dp in SHIMS or LAYERS.index(dp) >= LAYERS.index(pkg)):
@@ -146,12 +151,33 @@ def test_public_api_at_its_documented_paths():
     assert token_logprobs is gearlab.core.logprobs.token_logprobs
     assert all(callable(f) for f in (load_config, available, build, register, run, aggregate, kl_penalty, policy_loss,
                                      token_kl, get_task))
-    assert issubclass(CreditAssigner, object) and CreditOutput and Signal.ENTROPY == "entropy"
+    assert isinstance(build("grpo"), CreditAssigner) and Signal.ENTROPY == "entropy"
+    assert CreditOutput(token_advantages=torch.zeros(1, 2)).loss_mask is None  # None = the response mask
+
+
+def test_assigners_are_discovered_through_the_documented_entry_point_group(monkeypatch):
+    """The README tells plug-in packages to declare ``[project.entry-points."gearlab.assigners"]``: the registry's
+    loader must read that group and import what it names (tests/credit/test_api.py installs such a package)."""
     import importlib.metadata
 
-    text = (ROOT / "pyproject.toml").read_text()
-    assert '"gearlab.assigners"' in text  # the entry-point group is documented and stays
-    assert importlib.metadata.entry_points(group="gearlab.assigners") is not None
+    from gearlab import credit, plugins
+
+    assert credit.ENTRY_POINT_GROUP == "gearlab.assigners"
+    assert '[project.entry-points."gearlab.assigners"]' in (ROOT / "README.md").read_text()
+    loaded, asked = [], []
+
+    class Probe:
+        def load(self) -> None:
+            loaded.append("probe")
+
+    def entry_points(*, group: str) -> list[Probe]:
+        asked.append(group)
+        return [Probe()] if group == "gearlab.assigners" else []
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    monkeypatch.setattr(plugins, "_LOADED", set())  # discovery runs once per process: start it afresh
+    credit.available()
+    assert asked == ["gearlab.assigners"] and loaded == ["probe"]
 
 
 def test_nothing_points_outside_the_repository():
@@ -184,4 +210,6 @@ def test_choice_lists_have_one_place():
     assert config._CHOICES["algorithm.agg"] is grpo.AGG_MODES and config._CHOICES["algorithm.kl_kind"] is grpo.KL_KINDS
     assert config.ConfigError is errors.ConfigError
     cfg = config.load_config(["algorithm.kl_kind=low_var_kl"])  # a kind the core knows is a kind the config accepts
-    assert grpo.kl_penalty is not None and cfg.algorithm.kl_kind == "low_var_kl"
+    assert cfg.algorithm.kl_kind == "low_var_kl"
+    lp = torch.tensor([[-0.5, -2.0]])
+    assert grpo.kl_penalty(lp, lp, cfg.algorithm.kl_kind).tolist() == [[0.0, 0.0]]  # and the core computes it

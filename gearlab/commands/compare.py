@@ -5,16 +5,25 @@ the same checkpoint, see the same prompts in the same order (the data stream is 
 seed) and draw their samples from the same per-step seeds, so the credit method is the only
 difference between two children of one seed. One MLflow experiment holds a parent run for the
 comparison and one child run per pair (tags ``comparison_id``, ``assigner``, ``seed``).
-Re-running the same command skips finished children and resumes a partial one from its checkpoint.
+Re-running the same command skips finished children and resumes a partial one from its checkpoint (a raised
+``trainer.max_steps`` extends finished ones; any other change to a child's configuration is refused before any work,
+gearlab.trainer.resume). One comparison runs at a time: a second ``gearlab compare`` of the same name stops with one
+line naming the first (``<output_dir>/<name>/.lock``). Ctrl-C or SIGTERM: the running children stop at an iteration
+boundary with a checkpoint, none starts after it, and the command exits with 130 / 143 (gearlab.trainer.stopping).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import mlflow
 from mlflow.entities import RunStatus
@@ -22,6 +31,8 @@ from omegaconf import OmegaConf
 
 from gearlab import credit
 from gearlab.config import Config, ConfigError, flatten, load_config
+from gearlab.core.metrics import sanitize_metric_key
+from gearlab.trainer.stopping import STOP_SIGNALS, StopSignals
 from gearlab.trainer.tracking import ensure_experiment, git_sha, record_versions, tracking_uri, version_tags
 
 
@@ -88,12 +99,14 @@ def methods_of(cfg: Config) -> list[str]:
 
 
 def primary_metric(cfg: Config) -> str:
-    """``compare.metric``, with "auto" resolved to the held-out avg@k (``eval/avg@<eval.k>``)."""
-    return f"eval/avg@{cfg.eval.k}" if cfg.compare.metric == "auto" else cfg.compare.metric
+    """``compare.metric`` by the name MLflow stores it under ("auto": ``eval/avg_at_<eval.k>``; a name typed with "@",
+    ``eval/avg@4``, becomes ``eval/avg_at_4``), so the parent's tag, the report and the run agree on one name."""
+    return f"eval/avg_at_{cfg.eval.k}" if cfg.compare.metric == "auto" else sanitize_metric_key(cfg.compare.metric)
 
 
 def compare(cfg: Config, base_overrides: list[str]) -> dict:
-    from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
+    from gearlab.models.prompt_length import check_task_prompts
+    from gearlab.trainer.tracking import check_tracking_uri
     from gearlab.trainer.train import preflight
 
     for spec in cfg.assigner.plugins:
@@ -104,7 +117,49 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
     if cfg.compare.baseline not in names:
         raise ConfigError(f"key 'compare.baseline': {cfg.compare.baseline!r} is not among compare.assigners {names}")
     for a in names:  # every child's configuration is checked before any work
-        preflight(load_config([*base_overrides, f"assigner={a}"]))
+        task, _ = preflight(load_config([*base_overrides, f"assigner={a}"]))
+    check_task_prompts(cfg, task)  # the children share the task and the model: once for all (each child checks too)
+    check_tracking_uri(cfg)
+    relay = _Relay()
+    with comparison_lock(cfg), StopSignals(relay) as stop:
+        return _compare_locked(cfg, base_overrides, names, stop, relay)
+
+
+def comparison_lock(cfg: Config) -> contextlib.AbstractContextManager[None]:
+    """One ``gearlab compare`` of a name at a time (``<output_dir>/<name>/.lock``): a second would skip, re-run or
+    resume the same children beside the first. It refuses with one line naming the holder's pid."""
+    from gearlab.trainer.train import exclusive_lock
+
+    folder = Path(cfg.trainer.output_dir) / cfg.compare.name
+    return exclusive_lock(folder / ".lock", f"gearlab compare pid {os.getpid()}",
+                          lambda holder: f"comparison {cfg.compare.name!r} ({folder}) is in use by {holder}: wait for it "
+                                         f"to finish, or give this comparison another compare.name")
+
+
+class _Relay:
+    """What the comparison does on each stop request it catches: say so once, and pass the signal on to its worker
+    processes (they are in process groups of their own, so a terminal's Ctrl-C reaches them only this way) and set
+    the pool's stop flag, which a worker reads before it starts a queued child."""
+
+    def __init__(self) -> None:
+        self.event: Any = None  # the running pool's multiprocessing Event, else None
+
+    def __call__(self, signum: int, first: bool) -> None:
+        if self.event is not None:
+            self.event.set()
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signum)
+        if first:  # os.write: a print from a signal handler can collide with one the main thread is in
+            os.write(1, f"[compare] stop requested ({signal.Signals(signum).name}): running children stop at their next "
+                        f"iteration boundary and none starts after them; Ctrl-C again aborts them now\n".encode())
+
+
+def _compare_locked(cfg: Config, base_overrides: list[str], names: list[str], stop: StopSignals, relay: _Relay) -> dict:
+    from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
+    from gearlab.trainer.resume import check_resume
+    from gearlab.trainer.train import run_dir
+
     # the shared initial checkpoint: made once, then every child points at the same folder
     model_path = cfg.model.name_or_path
     if model_path in WARMSTARTED:
@@ -119,6 +174,7 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
     client = mlflow.MlflowClient(tracking_uri(cfg))
     exp_id = ensure_experiment(tracking_uri(cfg), experiment_name(cfg), client)
     parent, done = find_runs(client, exp_id, cfg.compare.name)
+    resumed = parent is not None
     if parent is None:
         parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
             "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
@@ -135,18 +191,27 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
             raise ConfigError(f"key 'model.name_or_path': the starting weights {model_path} (sha256 {start_digest[:12]}) "
                               f"are not those comparison {cfg.compare.name!r} started from (sha256 {before[:12]}); "
                               f"restore that model or give a new compare.name")
-        client.update_run(parent.info.run_id, status="RUNNING")
-        record_versions(client, parent.info.run_id)  # a changed version is kept as "old -> new"
     pid = parent.info.run_id
     if cfg.compare.max_minutes > 0:  # every child stops at an iteration boundary after this time, resumable
         cfg.trainer.deadline = time.time() + 60 * cfg.compare.max_minutes
         base_overrides = [*base_overrides, f"trainer.deadline={cfg.trainer.deadline:.3f}"]
     children = plan(cfg, base_overrides, model_path, pid, names)
+    extended = set()  # finished children whose trainer.max_steps this command raises: they train on
+    for c in children:  # every child's run folder against its configuration, before any child runs
+        child_cfg = load_config(c.overrides)
+        try:
+            if check_resume(child_cfg, run_dir(child_cfg)).extends(child_cfg):
+                extended.add(c.label)
+        except ConfigError as e:
+            raise ConfigError(f"comparison {cfg.compare.name!r}, child {c.label}: {e}") from None
+    if resumed:
+        client.update_run(pid, status="RUNNING")
+        record_versions(client, pid)  # a changed version is kept as "old -> new"
     primary = parent.data.tags.get("primary_metric", primary_metric(cfg))
-    if primary != primary_metric(cfg):
+    if sanitize_metric_key(primary) != sanitize_metric_key(primary_metric(cfg)):  # eval/avg@4 names eval/avg_at_4
         print(f"[compare] WARNING: this comparison named {primary!r} as its primary metric before it ran; the report "
               f"stays on it (gearlab report {cfg.compare.name} compare.metric=... shows another)", flush=True)
-    todo = [c for c in children if not (c.assigner, c.seed) in done
+    todo = [c for c in children if (c.assigner, c.seed) not in done or c.label in extended
             or done[(c.assigner, c.seed)].info.status != RunStatus.to_string(RunStatus.FINISHED)]
     logs = Path(cfg.trainer.output_dir) / cfg.compare.name
     for c in todo:  # a partial run whose folder is gone (a store moved to another machine without checkpoints)
@@ -158,9 +223,11 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
     print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} seeds), "
           f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}; "
           f"primary metric: {primary} (final value, paired by seed against {cfg.compare.baseline})", flush=True)
-    t_start, durations, failed, stopped = time.time(), [], [], []
+    t_start, durations, failed, stopped, finished = time.time(), [], [], [], []
 
     def finish(c: Child, outcome: str, secs: float, err: str = "") -> None:
+        if outcome == "not_started":  # queued when a stop came: counted at the end
+            return
         durations.append(secs)
         left = len(todo) - len(durations)
         eta = sum(durations) / len(durations) * left / max(1, cfg.compare.workers)
@@ -169,26 +236,39 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
         print(f"[compare] [{len(durations)}/{len(todo)}] {c.label:20s} {status} in {secs:.0f}s — ETA {eta / 60:.1f} min", flush=True)
         if outcome == "stopped":
             stopped.append(c.label)
-        elif outcome != "ok":
+        elif outcome == "ok":
+            finished.append(c.label)
+        else:
             failed.append(c.label)
             _mark_failed(client, exp_id, cfg.compare.name, c, err)
 
     # fixed by the config when given (results then do not depend on the machine's core count)
     threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // max(1, cfg.compare.workers))
+    aborted = False
     try:
         if cfg.compare.workers <= 1:
             for c in todo:
+                if stop.requested:  # Ctrl-C / SIGTERM: no child starts after it
+                    break
                 outcome, err, secs = run_child(c.overrides)
                 finish(c, outcome, secs, err)
-                if outcome == "stopped":
-                    raise KeyboardInterrupt
+                if outcome == "stopped":  # a signal, or trainer.deadline (compare.max_minutes): the rest waits
+                    break
         else:
-            _run_pool(todo, cfg.compare.workers, threads, logs, finish)
-    except KeyboardInterrupt:
-        print(f"[compare] interrupted: {len(durations)}/{len(todo)} runs done, {len(stopped)} stopped at an iteration "
-              f"boundary; run the same command to resume (finished runs are kept, stopped ones resume)", flush=True)
+            _run_pool(todo, cfg.compare.workers, threads, logs, finish, stop, relay)
+    except KeyboardInterrupt:  # Ctrl-C twice: the running children were aborted (their last checkpoints stay)
+        aborted = True
+    if stop.requested or stopped or aborted:
+        ran = set(finished) | set(stopped) | set(failed)
+        not_started = [c.label for c in todo if c.label not in ran]
+        why = (f"stop requested by {stop.signal_name}" if stop.requested
+               else "a child stopped early: compare.max_minutes / trainer.stop_after")
+        print(f"[compare] interrupted ({why}): {len(finished)} finished, {len(stopped)} stopped at an iteration boundary, "
+              f"{len(not_started)} not started, {len(failed)} failed (of {len(todo)} to run); run the same command to "
+              f"resume (finished runs are kept, stopped ones resume)", flush=True)
         client.set_terminated(pid, "KILLED")
-        return {"failed": failed, "stopped": stopped, "interrupted": True, "report": None, "plot": None}
+        return {"failed": failed, "stopped": stopped, "finished": finished, "not_started": not_started,
+                "interrupted": True, "signal": stop.signum, "report": None, "plot": None}
     from gearlab.commands.report import build_report
 
     rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=primary, baseline=cfg.compare.baseline,
@@ -201,12 +281,16 @@ def compare(cfg: Config, base_overrides: list[str]) -> dict:
 
 
 def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, float]:
-    """Train one child in this process: ("ok" | "stopped" | "failed", error text, seconds). With ``log``, the
+    """Train one child in this process: ("ok" | "stopped" | "failed" | "not_started", error text, seconds). "stopped":
+    at an iteration boundary (a signal, trainer.deadline) or aborted by a second Ctrl-C, resumable either way;
+    "not_started": a worker process (_run_pool) was asked to stop before this child began. With ``log``, the
     child's console output (both file descriptors, so also library output) goes to that file instead."""
     import traceback
 
     from gearlab.trainer.train import train
 
+    if _WORKER_STOP is not None and (_WORKER_STOP.requested or (_WORKER_EVENT is not None and _WORKER_EVENT.is_set())):
+        return "not_started", "", 0.0
     t0 = time.time()
     saved: tuple[int, int] | None = None
     if log is not None:
@@ -224,13 +308,15 @@ def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, f
             return "stopped", "", 0.0
         res = train(cfg)
         outcome, err = ("stopped" if res.stopped_early else "ok"), ""
-        if outcome == "ok" and cfg.credit_eval.after_training:
+        if outcome == "ok" and cfg.credit_eval.after_training and not res.already_finished:
             from gearlab.commands.credit_eval import after_training
 
             try:  # the run itself finished: a failed scoring is reported, not a failed child
                 after_training(cfg, res)
             except Exception as e:
                 print(f"[credit-eval] {cfg.assigner.name}-s{cfg.trainer.seed}: failed: {type(e).__name__}: {e}", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C twice: aborted mid-iteration; its last checkpoint resumes it
+        outcome, err = "stopped", ""
     except (Exception, SystemExit) as e:  # a crashed child is recorded and the comparison goes on
         outcome, err = "failed", "".join(traceback.format_exception(e))[-4000:]
     finally:
@@ -244,48 +330,90 @@ def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, f
     return outcome, err, time.time() - t0
 
 
-def _worker_init(threads: int) -> None:
+# a worker process's own stop scope and the pool's stop flag (set in each worker by _worker_init; None elsewhere)
+_WORKER_STOP: StopSignals | None = None
+_WORKER_EVENT: Any = None
+
+
+def _worker_init(threads: int, stop_event: Any) -> None:
+    """A pool worker's set-up. It starts with SIGINT and SIGTERM ignored (_run_pool), so no signal can kill it during
+    its seconds of imports and break the pool; it then leaves the terminal's process group (a Ctrl-C there reaches the
+    comparison only, which relays every request once: a second copy would read as "Ctrl-C again") and catches both."""
+    global _WORKER_STOP, _WORKER_EVENT
     import torch
 
     torch.set_num_threads(threads)
+    os.setpgrp()
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    # an idle worker only notes a request (a child it then picks up does not start); a running child's own scope
+    # (gearlab.trainer.train) stops it at the boundary, or aborts it on the second Ctrl-C
+    _WORKER_STOP = StopSignals(abort_on_repeat=False).__enter__()
+    _WORKER_EVENT = stop_event
 
 
-def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish) -> None:
+def _settle(f: Any, c: Child, finish: Callable[..., None]) -> str:
+    """Report one finished (or cancelled) future of the pool to ``finish``; returns its outcome."""
+    if f.cancelled():  # queued when the comparison stopped: not run, so neither finished nor failed
+        outcome, err, secs = "not_started", "", 0.0
+    else:
+        try:
+            outcome, err, secs = f.result()
+        except Exception as e:  # the worker process itself died (e.g. killed): the pool is broken
+            outcome, err, secs = "failed", f"{type(e).__name__}: {e}", 0.0
+    finish(c, outcome, secs, err)
+    return outcome
+
+
+def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish: Callable[..., None],
+              stop: StopSignals | None = None, relay: _Relay | None = None) -> None:
     """Run the children on ``workers`` long-lived processes (started once, so the ~10 s of imports are paid once
     per worker, not once per child); each child's output goes to ``<output_dir>/<comparison>/<label>/train.log``.
-    On Ctrl-C the workers' children stop at an iteration boundary (gearlab.trainer.train.graceful_stop), the queued ones
-    are dropped, and KeyboardInterrupt is raised here."""
-    import multiprocessing
+    On a stop request (Ctrl-C, SIGTERM: ``stop``, relayed to the workers by ``relay``) the running children stop at
+    an iteration boundary and no queued one starts (reported "not_started"); a second Ctrl-C aborts the running ones
+    and raises KeyboardInterrupt here once every outcome is reported. A child stopped by its trainer.deadline
+    cancels the queued ones too."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
+    stop, relay = stop or StopSignals(), relay or _Relay()
+    if stop.requested:
+        return
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # read at import by the workers
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                               initargs=(threads,))
+    ctx = multiprocessing.get_context("spawn")
+    relay.event = ctx.Event()
+    pool = None
     try:
-        futures = {pool.submit(run_child, [*c.overrides, "trainer.progress_bar=false", f"trainer.threads={threads}"],
-                               str(logs / c.label / "train.log")): c for c in todo}
-        interrupted = False
-        for f in as_completed(futures):
-            if f.cancelled():  # queued when another child stopped: not run, so neither finished nor failed
-                continue
-            try:
-                outcome, err, secs = f.result()
-            except Exception as e:  # the worker process itself died (e.g. killed): the pool is broken
-                outcome, err, secs = "failed", f"{type(e).__name__}: {e}", 0.0
-            finish(futures[f], outcome, secs, err)
-            if outcome == "stopped" and not interrupted:
-                interrupted = True
-                for g in futures:
-                    g.cancel()
-        if interrupted:
-            raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        pool.shutdown(wait=True, cancel_futures=True)  # running children finish their iteration and checkpoint
-        raise
+        # the workers are spawned by the submits: they inherit SIGINT and SIGTERM ignored (see _worker_init). A
+        # request in these few milliseconds is lost here too; that is the price of workers a signal cannot break.
+        main = threading.current_thread() is threading.main_thread()  # (only there may handlers be set)
+        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} if main else {}
+        try:
+            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads, relay.event))
+            futures = {pool.submit(run_child, [*c.overrides, "trainer.progress_bar=false", f"trainer.threads={threads}"],
+                                   str(logs / c.label / "train.log")): c for c in todo}
+        finally:
+            for s, h in ignored.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+        if stop.requested:  # came before the workers existed: relay it now (the flag reaches those still starting)
+            relay(stop.signum, False)
+        pending = dict(futures)
+        try:
+            for f in as_completed(futures):
+                outcome = _settle(f, pending.pop(f), finish)
+                if stop.requested or outcome == "stopped":
+                    for g in pending:
+                        g.cancel()
+        except KeyboardInterrupt:  # a second Ctrl-C, relayed to the workers: their children abort now
+            pool.shutdown(wait=True, cancel_futures=True)
+            for f, c in pending.items():
+                _settle(f, c, finish)
+            raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        relay.event = None
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)

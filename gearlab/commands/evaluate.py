@@ -7,6 +7,7 @@ import torch
 
 from gearlab.config import Config
 from gearlab.models.loading import load_for_evaluation
+from gearlab.models.prompt_length import check_prompt_lengths
 from gearlab.tasks.registry import task_from_config
 from gearlab.trainer.evaluation import evaluate_model
 
@@ -15,8 +16,10 @@ from gearlab.trainer.evaluation import evaluate_model
 def evaluate(cfg: Config) -> dict[str, Any]:
     task = task_from_config(cfg)
     model, tok, name = load_for_evaluation(cfg)
+    check_prompt_lengths(cfg, task, tok, model.config)
     if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"):
         model = model.cuda()
-    return {"model": name, "task": cfg.task.name, **evaluate_model(model, tok, task, cfg)}
+    split = "test (held out)" if getattr(task, "held_out", True) else "train (the task has no separate test split: not held out)"
+    return {"model": name, "task": cfg.task.name, "problems_from": split, **evaluate_model(model, tok, task, cfg)}
 
 

@@ -113,6 +113,66 @@ def inspect(cfg: Config) -> dict[str, str]:
             "assigners": ", ".join(names)}
 
 
+#: keys of a run, besides ``task.*``, that ``gearlab inspect`` must share with it to sample the same kind of batch
+#: (group size, lengths, turns, sampling) and to load and score it the same way (dtype, plug-ins, memory per pass)
+INSPECT_KEYS = ("rollout.group_size", "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
+                "rollout.max_turns", "rollout.max_total_tokens", "model.dtype", "model.trust_remote_code",
+                "algorithm.micro_batch_size", "signals.chunk_size", "assigner.plugins")
+
+
+def inspect_command(cfg: Config, model_path: str | Path) -> str:
+    """The ``gearlab inspect`` command line that looks at the credit of a model trained under ``cfg``: its task
+    (``task=NAME``, or ``task.name=NAME`` when there is no conf/task/NAME.yaml), every task option and
+    :data:`INSPECT_KEYS` value that differs from what that command would get by default, and ``model_path``.
+    Each word is shell-quoted where needed, so the line can be pasted as printed."""
+    import shlex
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from gearlab.config import load_config
+
+    name = cfg.task.name
+    head = [f"task={name}"]
+    try:
+        base = load_config(head)
+        if base.task.name != name:  # a YAML that names another task: say the name itself
+            raise ConfigError(name)
+    except ConfigError:
+        head = [f"task.name={name}"]
+        base = load_config(head)
+
+    def value(v: Any) -> str:
+        if v is None:
+            return "null"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, tuple)):
+            return "[" + ",".join(value(x) for x in v) + "]"
+        if isinstance(v, str) and not isinstance(yaml.safe_load(v) if v else "", str):
+            return f'"{v}"'  # "1", "true", "null" stay strings
+        return str(v)
+
+    words = [*head, f"model.name_or_path={model_path}"]
+
+    def diff(key: str, mine: Any, theirs: Any) -> None:
+        if isinstance(mine, dict):
+            for k in sorted(mine):
+                diff(f"{key}.{k}", mine[k], theirs.get(k) if isinstance(theirs, dict) else None)
+        elif mine != theirs:
+            words.append(f"{key}={value(mine)}")
+
+    mine_task, base_task = OmegaConf.to_container(cfg.task), OmegaConf.to_container(base.task)
+    diff("task.options", mine_task["options"], base_task["options"])
+    diff("task.plugins", mine_task["plugins"], base_task["plugins"])
+    for key in INSPECT_KEYS:
+        mine, theirs = OmegaConf.select(cfg, key), OmegaConf.select(base, key)
+        mine = OmegaConf.to_container(mine) if OmegaConf.is_config(mine) else mine
+        theirs = OmegaConf.to_container(theirs) if OmegaConf.is_config(theirs) else theirs
+        diff(key, mine, theirs)
+    return "gearlab inspect " + " ".join(shlex.quote(w) for w in words)
+
+
 def _records(rb: RolloutBatch, res: dict[str, Any], tok, names: list[str], model_name: str, cfg: Config) -> dict[str, Any]:
     """The JSON record: every sample in batch order (a data file), plus the display order of the pictures."""
     samples = []

@@ -1,11 +1,13 @@
 """``gearlab report COMPARISON``: the comparison's table and curves, rebuilt from MLflow alone.
 
 Statistics: per method, the mean over seeds of each run's final value with a two-sided 95%
-Student-t interval (mean ± t_{0.975, n−1}·s/√n, s the unbiased std; no interval when n = 1); the
+Student-t interval (mean ± t_{0.975, n−1}·s/√n, s the unbiased std); the
 paired difference to the baseline over the seeds both finished, with the same t-interval on the
 per-seed differences; the start (the metric's first point, the evaluation before the first iteration, mean over
 seeds) and the paired change from it with the same t-interval — does the method learn at all? n is printed
-next to every number. Steps to target use the training accuracy
+next to every number. An interval is withheld, with its reason printed instead, when it would be no evidence
+(:func:`gearlab.core.power.interval_note`): fewer than 3 values ("n too small") or values that are all equal
+("no spread, interval undefined" — a zero-width interval is not certainty). Steps to target use the training accuracy
 smoothed over a 5-iteration window; a run that never reaches it is reported as such.
 
 Provenance: the finished children's ``versions.*`` tags and ``git_sha`` are compared; a difference is a
@@ -22,7 +24,9 @@ The headline metric: the ``metric`` argument, else the parent run's ``primary_me
 ``eval/greedy_accuracy``. Children that logged a ``credit_eval/credit_eval.json`` artifact add a "credit vs known
 errors" table (:func:`credit_eval_table`).
 
-The headline numbers are also logged on the comparison's parent run, at step 0: ``<method>/final_mean``,
+report.md is also the comparison's parent run's description in MLflow (the ``mlflow.note.content`` tag, cut at a
+line boundary past MLflow's 8,000-character tag limit). The headline numbers are also logged on the comparison's
+parent run, at step 0: ``<method>/final_mean``,
 ``<method>/final_ci95``, ``<method>/n``, ``<method>/paired_diff``, ``<method>/paired_ci95``,
 ``<method>/paired_n``, ``<method>/paired_sd``, ``<method>/mde80``, ``<method>/n_needed``,
 ``<method>/learning_mean``, ``<method>/learning_ci95``, ``<method>/s_per_iter``, ``<method>/wall_min``
@@ -38,11 +42,13 @@ from typing import Any
 
 import mlflow
 from mlflow.entities import RunStatus
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
+from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
 from gearlab.core.metrics import sanitize_metric_key
 from gearlab.commands.report_credit import credit_eval_table, credit_evals  # noqa: F401 (credit_eval_table re-exported)
 from gearlab.commands.report_plot import CURVE, SMOOTH, _band, _bounds, _plot, _smooth  # noqa: F401 (re-exported)
-from gearlab.core.power import mde_paired, paired_sd, seeds_needed, t_interval
+from gearlab.core.power import mde_paired, paired_sd, reported_interval, seeds_needed, t_interval
 from gearlab.trainer.provenance import TAG_PREFIX
 
 DEFAULT_METRIC = "eval/greedy_accuracy"
@@ -64,11 +70,14 @@ class Report:
     credit_eval: dict[str, Any] | None = None
 
 
-def _fmt(mean: float, hw: float | None, n: int, pct: bool = False) -> str:
+def _fmt(mean: float, hw: float | None, n: int, pct: bool = False, note: str | None = None) -> str:
+    """``mean ± hw (n=…)``; without an interval ``mean (n=…)``, or ``mean (n=…, note)`` saying why it is withheld."""
     if math.isnan(mean):
         return "–"
     f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.3g}")
-    return f"{f(mean)} ± {f(hw)} (n={n})" if hw is not None else f"{f(mean)} (n={n})"
+    if hw is not None:
+        return f"{f(mean)} ± {f(hw)} (n={n})"
+    return f"{f(mean)} (n={n}, {note})" if note else f"{f(mean)} (n={n})"
 
 
 def _history(client: mlflow.MlflowClient, run_id: str, key: str) -> list[tuple[int, float, int]]:
@@ -109,6 +118,7 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
         metric, metric_source = tag_metric, "parent tag primary_metric"
     else:
         metric, metric_source = DEFAULT_METRIC, "default"
+    metric = sanitize_metric_key(metric)  # the name on record: eval/avg@4 (typed, or an older parent's tag) is eval/avg_at_4
     if parent is not None:
         baseline = parent.data.tags.get("baseline", baseline) if baseline is None else baseline
         # methods_json: the methods in order (grid-point labels may contain commas); older parents: "assigners"
@@ -158,23 +168,26 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     rows = []
     for a in order:
         vals = [final[a][s] for s in sorted(final[a])]
-        mean, hw = t_interval(vals)
-        row: dict[str, Any] = {"assigner": a, "n": len(vals), "mean": mean, "ci95": hw}
+        mean, hw, note = reported_interval(vals)
+        row: dict[str, Any] = {"assigner": a, "n": len(vals), "mean": mean, "ci95": hw, "ci95_note": note}
         # where the seeds started (the evaluation before the first iteration) and the paired change since
         learned = sorted(set(final[a]) & set(start[a]))
         sm, _ = t_interval([start[a][s] for s in learned])
-        cm, chw = t_interval([final[a][s] - start[a][s] for s in learned])
-        row.update(start=sm, change=cm, change_ci95=chw, change_n=len(learned))
-        row["learning"] = {"mean": _num(cm), "half_width": chw, "n": len(learned)}
+        cm, chw, cnote = reported_interval([final[a][s] - start[a][s] for s in learned])
+        row.update(start=sm, change=cm, change_ci95=chw, change_n=len(learned), change_note=cnote)
+        row["learning"] = {"mean": _num(cm), "half_width": chw, "n": len(learned), "note": cnote}
         if a != baseline:
             common = sorted(set(final[a]) & set(final.get(baseline, {})))
             diffs = [final[a][s] - final[baseline][s] for s in common]
-            dm, dhw = t_interval(diffs)
-            row.update(diff=dm, diff_ci95=dhw, diff_n=len(diffs))
+            dm, dhw, dnote = reported_interval(diffs)
+            row.update(diff=dm, diff_ci95=dhw, diff_n=len(diffs), diff_note=dnote)
             sd = paired_sd(diffs)
+            # every seed gave the same difference: an SD of 0 would promise any effect detectable with 2 seeds
+            flat = dnote is not None and dnote.startswith("no spread")
             row["paired"] = {"diff": _num(dm), "half_width": dhw, "sd": _num(sd),
-                             "mde80": _num(mde_paired(sd, len(diffs), power=POWER, alpha=ALPHA)),
-                             "n_needed": seeds_needed(effect, sd, power=POWER, alpha=ALPHA), "n": len(diffs)}
+                             "mde80": None if flat else _num(mde_paired(sd, len(diffs), power=POWER, alpha=ALPHA)),
+                             "n_needed": None if flat else seeds_needed(effect, sd, power=POWER, alpha=ALPHA),
+                             "n": len(diffs), "note": dnote}
         c = cost[a]
         row.update({k: (sum(x[k] for x in c) / len(c) if c else float("nan")) for k in ("s_per_iter", "wall_min", "tokens")})
         if target is not None:
@@ -225,7 +238,8 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     if extra_plots or notes:
         table += "\n\n" + "\n".join(([f"more curves: {', '.join(p.name for p in extra_plots)}"] if extra_plots else []) + notes)
     md = out / "report.md"
-    md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target))
+    on_train = any(r.data.tags.get("eval_split") == "train" for r in finished.values())
+    md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target, eval_on_train=on_train))
     (out / "report.json").write_text(json.dumps({
         "comparison": comparison, "metric": metric, "primary_metric": metric, "primary_metric_source": metric_source,
         "baseline": baseline, "power_settings": {"power": POWER, "alpha": ALPHA, "effect": effect},
@@ -235,7 +249,19 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
         for f in (md, plot, out / "report.json", *extra_plots):
             client.log_artifact(parent.info.run_id, str(f), "report")
         log_headline(client, parent.info.run_id, rows)
+        client.set_tag(parent.info.run_id, MLFLOW_RUN_NOTE, run_description(md.read_text()))
     return Report(table, md, plot, rows, missing, warnings, mismatch, credit)
+
+
+def run_description(markdown: str, limit: int = MAX_TAG_VAL_LENGTH) -> str:
+    """report.md as the parent run's description (the ``mlflow.note.content`` tag, which the MLflow UI shows as the
+    run's markdown description): whole when it fits MLflow's tag limit, else cut at a line boundary with a note
+    pointing at the full file (MLflow would otherwise cut it mid-line, silently)."""
+    if len(markdown) <= limit:
+        return markdown
+    tail = "\n\n… (cut to fit MLflow's description limit: the full report is the artifact report/report.md)\n"
+    head = markdown[: limit - len(tail)]
+    return head[: head.rfind("\n") + 1 or len(head)].rstrip("\n") + tail
 
 
 def _num(v: float | None) -> float | None:
@@ -244,8 +270,9 @@ def _num(v: float | None) -> float | None:
 
 
 def _pct(metric: str) -> bool:
-    """Whether the metric is shown in percent / points (accuracy and ``@`` metrics)."""
-    return metric.endswith("accuracy") or "@" in metric
+    """Whether the metric is shown in percent / points (accuracy, avg@k and pass@k: ``eval/avg_at_4``, also typed
+    ``eval/avg@4``)."""
+    return metric.endswith("accuracy") or "@" in metric or "_at_" in metric
 
 
 def _amount(v: float, pct: bool, signed: bool = False) -> str:
@@ -257,8 +284,10 @@ def _amount(v: float, pct: bool, signed: bool = False) -> str:
 
 def learning_line(rows: list[dict[str, Any]], pct: bool) -> str:
     """``learning: grpo +6.1 ± 3.2 points (n=5, excludes 0); gear …`` — each method's paired change from its start
-    with the 95% t half-width, and whether that interval excludes 0 (the method learned, or got worse). One seed:
-    ``(n=1, no interval)``; no start logged: ``–``. Raw units (``+0.061 ± 0.032``) for metrics not in percent."""
+    with the 95% t half-width, and whether that interval excludes 0 (the method learned, or got worse). Where the
+    interval would be no evidence it is withheld and the reason given instead: ``(n=2, n too small)``,
+    ``(n=3, no spread, interval undefined)``; no start logged: ``–``. Raw units (``+0.061 ± 0.032``) for metrics not
+    in percent."""
     parts = []
     for r in rows:
         lr = r.get("learning") or {}
@@ -267,7 +296,7 @@ def learning_line(rows: list[dict[str, Any]], pct: bool) -> str:
         if m is None:
             parts.append(f"{r['assigner']} – (no start logged)")
         elif hw is None:
-            parts.append(f"{r['assigner']} {_amount(m, pct, signed=True)} (n={n}, no interval)")
+            parts.append(f"{r['assigner']} {_amount(m, pct, signed=True)} (n={n}, {lr.get('note') or 'no interval'})")
         else:
             num, h = _amount(m, pct, signed=True).removesuffix(unit), _amount(hw, pct).removesuffix(unit)
             parts.append(f"{r['assigner']} {num} ± {h}{unit} (n={n}, {'excludes 0' if abs(m) > hw else 'includes 0'})")
@@ -286,6 +315,10 @@ def power_lines(rows: list[dict[str, Any]], baseline: str, effect: float, pct: b
         head = f"power: {r['assigner']} vs {baseline}: "
         if p["sd"] is None:
             out.append(head + f"not computable (n={p['n']} paired seeds; the paired SD needs at least 2)")
+            continue
+        if p["mde80"] is None:  # no spread: an SD of 0 says nothing about the noise of the next seed
+            out.append(head + f"not computable (n={p['n']} paired seeds, no spread: every seed gave the same "
+                              f"difference, so the paired SD is 0)")
             continue
         need = p["n_needed"]
         tail = ("" if effect == 0 else f"; detecting {eff} needs " +
@@ -365,11 +398,14 @@ def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float
         head += [f"reached {target:g}", "steps to target", "wall s to target", "tokens to target"]
     lines = [head]
     for r in rows:
-        d = "baseline" if r["assigner"] == baseline else _fmt(r.get("diff", float("nan")), r.get("diff_ci95"), r.get("diff_n", 0), pct)
+        d = ("baseline" if r["assigner"] == baseline
+             else _fmt(r.get("diff", float("nan")), r.get("diff_ci95"), r.get("diff_n", 0), pct, r.get("diff_note")))
         mde = (r.get("paired") or {}).get("mde80")
         mde_s = "–" if mde is None else _fmt(mde, None, 0, pct).split(" (")[0]
-        line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct), _fmt(r.get("start", float("nan")), None, 0, pct).split(" (")[0],
-                _fmt(r.get("change", float("nan")), r.get("change_ci95"), r.get("change_n", 0), pct), d, mde_s,
+        line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct, r.get("ci95_note")),
+                _fmt(r.get("start", float("nan")), None, 0, pct).split(" (")[0],
+                _fmt(r.get("change", float("nan")), r.get("change_ci95"), r.get("change_n", 0), pct, r.get("change_note")),
+                d, mde_s,
                 f"{r['s_per_iter']:.2f}", f"{r['wall_min']:.1f}",
                 f"{r['tokens']:.0f}" if r["tokens"] == r["tokens"] else "–"]
         if target is not None:
@@ -393,7 +429,8 @@ def _tool_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines[1:])])
 
 
-def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric, baseline, target) -> str:
+def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric, baseline, target,
+              eval_on_train: bool = False) -> str:
     if tracking.startswith("sqlite:///"):  # a local file: show it relative to where the report is run from
         try:
             tracking = "sqlite:///" + str(Path(tracking[len("sqlite:///"):]).resolve().relative_to(Path.cwd().resolve()))
@@ -401,10 +438,14 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
             pass
     parts = [f"# Comparison `{comparison}`", "",
              f"Source: MLflow at `{tracking}`, experiment `compare/{comparison}` (this report reads nothing else).", "",
-             f"Headline: final `{metric}` of each run (the held-out evaluation after the last iteration). "
+             f"Headline: final `{metric}` of each run ("
+             + ("the evaluation after the last iteration, on the TRAINING problems: the task has no separate test "
+                "split, so this measures fitting, not generalisation" if eval_on_train
+                else "the held-out evaluation after the last iteration") + "). "
              "Mean ± half-width of the two-sided 95% Student-t interval over seeds; n = seeds. "
              f"Δ = paired per-seed difference to `{baseline}` (same seeds, same prompts, same sampling seeds), "
-             "same interval on the differences. MDE80 = the smallest paired difference the seeds had 80% power to "
+             "same interval on the differences; an interval from fewer than 3 seeds or from values that are all "
+             "equal is withheld and the reason shown (\"n too small\", \"no spread, interval undefined\"). MDE80 = the smallest paired difference the seeds had 80% power to "
              "detect (two-sided paired t-test at 5%, exact noncentral t). s / iter = rollout + signals + update per "
              "iteration.", "",
              "Under the table: `learning:` gives each method's paired change from its start and whether its 95% interval "

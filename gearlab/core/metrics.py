@@ -22,7 +22,11 @@ def pass_at_k(num_correct: Tensor, n: int, k: int) -> Tensor:
 
 
 def sanitize_metric_key(key: str) -> str:
-    """MLflow-safe metric name: ``pass@4`` → ``pass_at_4``; ``(`` ``)`` and other symbols → ``_``."""
+    """MLflow-safe metric name: ``pass@4`` → ``pass_at_4``; ``(`` ``)`` and other symbols → ``_``.
+
+    MLflow rejects "@" in metric names, so gearlab names its metrics the safe way from the start
+    (``eval/avg_at_4``); this keeps a name typed with "@" (``compare.metric=eval/avg@4``) pointing at the stored
+    metric, and keeps any other key loggable."""
     import re
 
     key = key.replace("@", "_at_")

@@ -21,7 +21,12 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["mde_paired", "paired_sd", "power_paired", "seeds_needed", "t_interval"]
+__all__ = ["MIN_INTERVAL_N", "interval_note", "mde_paired", "paired_sd", "power_paired", "reported_interval",
+           "seeds_needed", "t_interval"]
+
+#: the fewest values whose 95% t-interval gearlab reports as evidence: with two, the interval rests on one degree of
+#: freedom (t = 12.7) and an SD estimated from a single difference, and two equal values give a zero-width interval
+MIN_INTERVAL_N = 3
 
 
 def paired_sd(diffs: list[float]) -> float:
@@ -140,3 +145,29 @@ def t_interval(xs: list[float]) -> tuple[float, float | None]:
 
     s = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     return mean, float(t.ppf(0.975, n - 1)) * s / math.sqrt(n)
+
+
+def interval_note(xs: list[float]) -> str | None:
+    """Why the 95% t-interval of ``xs`` is not reported, or None when it is.
+
+    ``"n too small"`` with fewer than :data:`MIN_INTERVAL_N` values; ``"no spread, interval undefined"`` when every
+    value is the same (up to float rounding: e.g. two equal changes computed from different starts), which the
+    zero-width interval would otherwise present as certainty. No spread is said first: it is the more specific
+    reason when both hold."""
+    n = len(xs)
+    if n >= 2:
+        mean = sum(xs) / n
+        scale = max(1.0, max(abs(x) for x in xs))
+        if math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) <= 1e-12 * scale:
+            return "no spread, interval undefined"
+    if n < MIN_INTERVAL_N:
+        return "n too small"
+    return None
+
+
+def reported_interval(xs: list[float]) -> tuple[float, float | None, str | None]:
+    """(mean, half-width of the 95% t-interval or None, reason it is withheld or None): :func:`t_interval` with the
+    degenerate cases of :func:`interval_note` turned into a reason instead of a number."""
+    mean, hw = t_interval(xs)
+    note = interval_note(xs) if xs else None
+    return mean, (None if note else hw), note

@@ -92,14 +92,20 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
     return model, tok, ref
 
 
-def run_warmstart(cfg: Config) -> dict[str, Any]:
-    """Warm-start the embedded tiny model on the configured task (``gearlab warmstart``)."""
+def run_warmstart(cfg: Config, *, shipped: bool = True) -> dict[str, Any]:
+    """Warm-start the embedded tiny model on the configured task (``gearlab warmstart``). With ``shipped`` and the
+    default recipe, the warm start shipped in the package (the same files the SFT writes) is copied instead."""
+    from gearlab.models.shipped import copy_shipped, shipped_matches
     from gearlab.models.tiny import MODEL_SIZES
     from gearlab.models.warmstart import warmstart
 
     task = task_from_config(cfg)
     ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
     out = embedded_dir(cfg, ref)
+    if shipped and shipped_matches(cfg, ref):
+        log.warning("the default warm start of %s: copying the shipped one (gearlab warmstart recomputes it) into %s",
+                    ref, out)
+        return copy_shipped(out)
     w = cfg.warmstart
     threads = torch.get_num_threads()
     if w.threads > 0:

@@ -255,6 +255,7 @@ def warmstart(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
         betas=(0.9, 0.98),
+        fused=True,  # the same digits on every CPU class (gearlab.cpu_kernels)
     )
     model.train()
     losses: list[float] = []

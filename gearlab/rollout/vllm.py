@@ -120,10 +120,10 @@ class VLLMGenerator:
         resp = torch.full((len(seqs), T), pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), T), dtype=torch.bool)
         lp = torch.zeros((len(seqs), T), dtype=torch.float32)
-        for i, (s, l) in enumerate(zip(seqs, lps)):
+        for i, (s, row_lp) in enumerate(zip(seqs, lps)):
             resp[i, : len(s)] = torch.tensor(s, dtype=torch.long)
             mask[i, : len(s)] = True
-            lp[i, : len(l)] = torch.tensor(l, dtype=torch.float32)
+            lp[i, : len(row_lp)] = torch.tensor(row_lp, dtype=torch.float32)
         return resp, mask, lp
 
     # -- module hooks -----------------------------------------------------------------------------

@@ -17,7 +17,9 @@ __all__ = [
     "Problem",
     "Task",
     "load_jsonl_problems",
+    "load_jsonl_rows",
     "privileged_suffix",
+    "read_utf8",
     "sample_cycling",
 ]
 
@@ -58,6 +60,9 @@ class Task(ABC):
     system_prompt: str | None = None
     #: Multi-turn tasks: the default turn limit of an episode (``rollout.max_turns=0`` uses it).
     max_turns: int = 1
+    #: False when the "test" split is the training problems themselves (a data file without a separate test file):
+    #: an evaluation on it then measures fitting, not generalisation, and gearlab says so instead of "held-out".
+    held_out: bool = True
 
     def make_env(self, problem: Problem) -> "Any":
         """A fresh :class:`gearlab.envs.base.Environment` for one episode of `problem` (multi-turn
@@ -72,7 +77,7 @@ class Task(ABC):
     def problems(self, split: str, n: int, seed: int = 0) -> list[Problem]:
         """`n` problems of `split` ("train" or "test"), deterministic given `seed`.
 
-        The train and test splits never share a problem.
+        The train and test splits never share a problem, except in a task whose ``held_out`` is False.
         """
 
     @abstractmethod
@@ -111,6 +116,12 @@ class Task(ABC):
             return 0.0
         return 1.0 if got == self.normalize_answer(problem.answer) else 0.0
 
+    def sourced_problems(self) -> list[tuple[str, Problem]]:
+        """Every problem this task read from a data file, with where it came from (the file and its 1-based line or
+        row, as the task's own load errors name it), in file order; load-time checks such as the prompt-length limit
+        report through it. Generated tasks read nothing: the default is empty."""
+        return []
+
     def locate_error(self, problem: Problem, completion: str) -> tuple[int, int] | None:
         """Where `completion` first went wrong: the character span ``(start, end)`` (end exclusive, in
         `completion`'s own coordinates) of its FIRST wrong step, or None.
@@ -134,16 +145,41 @@ class Task(ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def read_utf8(path: str | Path) -> str:
+    """The text of a data file; a byte that is not UTF-8 raises ValueError naming the file and its 1-based line."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(_utf8_error(path, data, e)) from None
+
+
+def _utf8_error(path: Path, data: bytes, e: UnicodeDecodeError, first_line: int = 1) -> str:
+    line = first_line + data.count(b"\n", 0, e.start)
+    column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+    return f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column})"
+
+
 def load_jsonl_problems(path: str | Path) -> list[Problem]:
     """Read problems from a JSON-lines file with keys "prompt", "answer" and optional "solution".
 
     Other keys go to `Problem.meta`. Blank lines are skipped. A bad row raises ValueError naming
     the file and the 1-based line number.
     """
+    return [p for _, p in load_jsonl_rows(path)]
+
+
+def load_jsonl_rows(path: str | Path) -> list[tuple[str, Problem]]:
+    """``load_jsonl_problems`` with where each problem came from: ``("FILE:LINE", problem)`` pairs."""
     path = Path(path)
-    out: list[Problem] = []
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    out: list[tuple[str, Problem]] = []
+    with path.open("rb") as fh:  # bytes, decoded line by line: an encoding error is reported with its line
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(_utf8_error(path, raw, e, line_no)) from None
             if not line.strip():
                 continue
             try:
@@ -156,14 +192,15 @@ def load_jsonl_problems(path: str | Path) -> list[Problem]:
                 if key not in row or row[key] is None:
                     raise ValueError(f"{path}:{line_no}: row has no {key!r}")
             meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "solution")}
-            out.append(
+            out.append((
+                f"{path}:{line_no}",
                 Problem(
                     prompt=str(row["prompt"]),
                     answer=str(row["answer"]),
                     solution=str(row.get("solution") or ""),
                     meta=meta,
-                )
-            )
+                ),
+            ))
     return out
 
 

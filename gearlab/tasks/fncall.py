@@ -32,10 +32,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gearlab.tasks.base import Problem, Task, sample_cycling
+from gearlab.tasks.base import Problem, Task, read_utf8, sample_cycling
 from gearlab.tasks.registry import register_task
 
-__all__ = ["FunctionCallingTask", "load_fncall_rows", "parse_calls", "score_calls", "SAMPLE_PATH", "MalformedCall"]
+__all__ = ["FunctionCallingTask", "load_fncall_rows", "load_fncall_sourced", "parse_calls", "score_calls", "SAMPLE_PATH", "MalformedCall"]
 
 SAMPLE_PATH = Path(__file__).parent / "data" / "fncall_sample.jsonl"
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -93,12 +93,21 @@ def _row_to_problem(row: dict[str, Any], where: str) -> Problem:
 
 def load_fncall_rows(path: str | Path) -> list[Problem]:
     """Problems from a JSON list or a JSONL file; a bad row raises ValueError naming file and line."""
+    return [p for _, p in load_fncall_sourced(path)]
+
+
+def load_fncall_sourced(path: str | Path) -> list[tuple[str, Problem]]:
+    """``load_fncall_rows`` with where each problem came from: ``("FILE: line N" | "FILE: row N", problem)``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"function-calling data file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     if text.lstrip().startswith("["):
-        rows = [(i + 1, r) for i, r in enumerate(json.loads(text))]
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        rows = [(i + 1, r) for i, r in enumerate(data)]
         label = "row"
     else:
         rows = []
@@ -113,7 +122,8 @@ def load_fncall_rows(path: str | Path) -> list[Problem]:
     for n, row in rows:
         if not isinstance(row, dict):
             raise ValueError(f"{path}: {label} {n}: not a JSON object")
-        out.append(_row_to_problem(row, f"{path}: {label} {n}"))
+        where = f"{path}: {label} {n}"
+        out.append((where, _row_to_problem(row, where)))
     if not out:
         raise ValueError(f"{path}: no rows")
     return out
@@ -212,8 +222,12 @@ class FunctionCallingTask(Task):
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         self.path = Path(path).expanduser() if path else SAMPLE_PATH
-        self.rows = load_fncall_rows(self.path)
+        self.sourced = load_fncall_sourced(self.path)
+        self.rows = [p for _, p in self.sourced]
         self.test_fraction, self.seed = test_fraction, seed
+
+    def sourced_problems(self) -> list[tuple[str, Problem]]:
+        return list(self.sourced)
 
     def _split(self, p: Problem) -> str:
         if p.meta.get("split"):

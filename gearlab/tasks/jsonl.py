@@ -10,7 +10,7 @@ import random
 import re
 from pathlib import Path
 
-from gearlab.tasks.base import Problem, Task, load_jsonl_problems
+from gearlab.tasks.base import Problem, Task, load_jsonl_rows
 from gearlab.tasks.registry import register_task
 
 _ANSWER_RE = re.compile(r"Answer:\s*([^\n]+)")
@@ -19,19 +19,28 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 @register_task("jsonl")
 class JsonlTask(Task):
-    """train_path: the training file; test_path: the evaluation file (defaults to train_path)."""
+    """train_path: the training file; test_path: the held-out evaluation file. Without it the evaluation uses the
+    training problems (``held_out`` is False), and training and evaluation say so."""
 
     def __init__(self, train_path: str, test_path: str | None = None) -> None:
         if not train_path:
             raise ValueError("task 'jsonl' needs task.options.train_path")
         self.paths = {"train": Path(train_path), "test": Path(test_path or train_path)}
+        # no separate test file: evaluations run on the training problems (and must not be called held-out)
+        self.held_out = self.paths["test"].resolve() != self.paths["train"].resolve()
         self._rows: dict[str, list[Problem]] = {}
+        self._sourced: dict[Path, list[tuple[str, Problem]]] = {}
         for split, p in self.paths.items():  # read now: a bad file fails before any work
             if not p.is_file():
                 raise ValueError(f"{split} file not found: {p}")
-            self._rows[split] = load_jsonl_problems(p)
+            if p not in self._sourced:
+                self._sourced[p] = load_jsonl_rows(p)
+            self._rows[split] = [prob for _, prob in self._sourced[p]]
             if not self._rows[split]:
                 raise ValueError(f"{p}: no problems")
+
+    def sourced_problems(self) -> list[tuple[str, Problem]]:
+        return [row for rows in self._sourced.values() for row in rows]
 
     def problems(self, split: str, n: int, seed: int = 0) -> list[Problem]:
         rows = self._rows[split]

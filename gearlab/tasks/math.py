@@ -16,7 +16,9 @@ Files: ``.jsonl`` (one object a line), ``.json`` (a list of objects; JSON lines 
 plain substitution, not ``str.format``, so literal braces such as ``\boxed{}`` stay as written. The
 default template asks the model to box its final answer; the reward prefers the last ``\boxed{}``.
 
-The shipped ``data/*_sample.jsonl`` are tiny files written for tests; point ``task.options.path`` at real data.
+The shipped ``data/*_sample.jsonl`` are tiny files (6-8 rows) written for tests. ``task.options.path`` is required:
+without it the task refuses to start rather than train on a sample; ``task.options.path=sample`` asks for the
+sample explicitly (a smoke test).
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from math import isnan
 from pathlib import Path
 from typing import Any
 
-from gearlab.tasks.base import Problem, Task, sample_cycling
+from gearlab.errors import ConfigError
+from gearlab.tasks.base import Problem, Task, read_utf8, sample_cycling
 from gearlab.tasks.registry import register_task
 
-__all__ = ["SAMPLES", "MathTask", "last_boxed", "load_math_problems", "math_reward", "row_to_problem"]
+__all__ = ["SAMPLES", "MathTask", "last_boxed", "load_math_problems", "load_math_sourced", "math_reward", "row_to_problem"]
 
 DATA_DIR = Path(__file__).parent / "data"
 SAMPLES = {k: DATA_DIR / f"{k}_sample.jsonl" for k in ("gsm8k", "math500", "aime")}
@@ -185,7 +188,7 @@ def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         import pandas as pd
         rows, label = list(enumerate(pd.read_parquet(path).to_dict("records"), start=1)), "row"
     else:
-        text = path.read_text(encoding="utf-8")
+        text = read_utf8(path)
         if text.lstrip().startswith("["):
             try:
                 data = json.loads(text)
@@ -212,7 +215,7 @@ def _has_datasets() -> bool:  # a function so tests can fake it
     return importlib.util.find_spec("datasets") is not None
 
 
-def _load_hub(repo_id: str, config: str | None, template: str) -> list[Problem]:
+def _load_hub(repo_id: str, config: str | None, template: str) -> list[tuple[str, Problem]]:
     """All splits of a hub dataset (needs `datasets` and network); when it has both a "train" and a
     "test" split they are kept, else the hash split decides."""
     import datasets
@@ -224,7 +227,8 @@ def _load_hub(repo_id: str, config: str | None, template: str) -> list[Problem]:
             row = dict(row)
             if both and split in ("train", "test"):
                 row.setdefault("split", split)
-            out.append(row_to_problem(row, f"{repo_id}[{split}]: row {i}", template))
+            where = f"{repo_id}[{split}]: row {i}"
+            out.append((where, row_to_problem(row, where, template)))
     return out
 
 
@@ -233,13 +237,19 @@ def load_math_problems(path: str | Path, template: str = DEFAULT_TEMPLATE, hub_c
     """Problems of a local file (or, when `path` is not a file but looks like a hub id such as
     "openai/gsm8k" and `datasets` is installed, of that hub dataset). FileNotFoundError with the path
     when there is neither; ValueError naming the file and row/line for a bad row or an empty file."""
+    return [prob for _, prob in load_math_sourced(path, template, hub_config)]
+
+
+def load_math_sourced(path: str | Path, template: str = DEFAULT_TEMPLATE, hub_config: str | None = None
+                      ) -> list[tuple[str, Problem]]:
+    """``load_math_problems`` with where each problem came from: ``("FILE: line N" | "FILE: row N", problem)``."""
     p = Path(path).expanduser()
     if not p.is_file():
         if (_HUB_ID_RE.match(str(path)) and p.suffix not in (".jsonl", ".json", ".parquet")
                 and _has_datasets()):
             return _load_hub(str(path), hub_config, template)
         raise FileNotFoundError(f"maths data file not found: {p}")
-    out = [row_to_problem(row, where, template) for where, row in _read_rows(p)]
+    out = [(where, row_to_problem(row, where, template)) for where, row in _read_rows(p)]
     if not out:
         raise ValueError(f"{p}: no rows")
     return out
@@ -253,14 +263,15 @@ class MathTask(Task):
     r"""Maths word problems / competition problems, reward = math-verify equivalence of the last box.
 
     Args:
-        path:            data file (formats in the module docstring); None = the shipped sample `sample`
+        path:            data file (formats in the module docstring) or a hub id; required. ``"sample"`` = the
+                         shipped test sample `sample` (6-8 rows), chosen explicitly
         test_path:       optional held-out file: then every row of `path` is train and every row of
                          `test_path` is test (`split` fields and `test_fraction` are ignored)
         test_fraction:   without test_path: share of rows held out by a hash of the question (seed-free)
         prompt_template: the user prompt; ``{problem}`` is replaced by the question (no str.format);
                          default ``"{problem}\nPut the final answer in \boxed{}."``
         seed:            default shuffle seed of `problems`
-        sample:          which shipped sample path=None means (gsm8k / math500 / aime; set per task name)
+        sample:          which shipped sample path="sample" means (gsm8k / math500 / aime; set per task name)
         hub_config:      config name when `path` is a hub id (e.g. "main" for openai/gsm8k)
     Train and test never share a question: train drops any question that is also a test question.
     """
@@ -275,19 +286,30 @@ class MathTask(Task):
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         if "{problem}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{problem}}', got {prompt_template!r}")
-        if not path and sample not in SAMPLES:
+        if sample not in SAMPLES:
             raise ValueError(f"unknown sample {sample!r}; known: {sorted(SAMPLES)}")
-        self.path = str(path) if path else str(SAMPLES[sample])
+        if not path:  # a test sample trained on silently looks like a run on the benchmark: refuse instead
+            rows = sum(1 for line in SAMPLES[sample].read_text().splitlines() if line.strip())
+            raise ConfigError(f"key 'task.options.path': no data file given; set task.options.path=FILE (JSONL, JSON "
+                              f"or parquet, or a hub id), or task.options.path=sample to use the {rows}-row test sample "
+                              f"gearlab/tasks/data/{SAMPLES[sample].name}")
+        self.path = str(SAMPLES[sample]) if str(path) == "sample" else str(path)
         self.test_path, self.test_fraction, self.seed = test_path, test_fraction, seed
         self.prompt_template = prompt_template
-        rows = load_math_problems(self.path, prompt_template, hub_config)
+        self.sourced = load_math_sourced(self.path, prompt_template, hub_config)
+        rows = [p for _, p in self.sourced]
         if test_path:
-            train, test = rows, load_math_problems(test_path, prompt_template, hub_config)
+            test_sourced = load_math_sourced(test_path, prompt_template, hub_config)
+            self.sourced = self.sourced + test_sourced
+            train, test = rows, [p for _, p in test_sourced]
         else:
             train = [p for p in rows if self._split(p) == "train"]
             test = [p for p in rows if self._split(p) == "test"]
         held_out = {p.meta["problem"] for p in test}
         self.pools = {"train": [p for p in train if p.meta["problem"] not in held_out], "test": test}
+
+    def sourced_problems(self) -> list[tuple[str, Problem]]:
+        return list(self.sourced)
 
     def _split(self, p: Problem) -> str:
         if p.meta.get("split"):

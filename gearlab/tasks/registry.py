@@ -60,7 +60,9 @@ def task_from_config(cfg: Any) -> Task:
             raise ConfigError(f"key 'task.plugins': cannot import {spec!r}: {e}") from None
     try:
         return get_task(cfg.task.name, **dict(cfg.task.options))
-    except (KeyError, TypeError, ValueError) as e:
+    except ConfigError:  # a task that names the key itself
+        raise
+    except (KeyError, TypeError, ValueError, OSError) as e:  # OSError: a data file missing or unreadable
         raise ConfigError(f"key 'task': {str(e).strip(chr(34))}") from None
 
 

@@ -1,5 +1,6 @@
-"""Held-out evaluation of a policy during and after training: greedy accuracy, avg@k and unbiased pass@k on the
-task's test split, split across ranks in a multi-process run."""
+"""Evaluation of a policy during and after training: greedy accuracy, avg@k and unbiased pass@k on the task's test
+split (held out, unless the task has none: ``Task.held_out`` False, then the training problems), split across ranks in
+a multi-process run."""
 from __future__ import annotations
 
 import hashlib

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import time
 import zlib
@@ -32,6 +33,9 @@ from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.provider import SignalProvider
 from gearlab.trainer.teacher import Teacher, needs_teacher
 from gearlab.tasks.base import Task
+
+
+log = logging.getLogger("gearlab")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -65,9 +69,10 @@ class GRPOModule(L.LightningModule):
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         self.iterations_done = 0
-        self.interrupted = False  # set by a signal handler (gearlab.trainer.train.graceful_stop): stop at the next boundary
+        self.interrupted = False  # set by a signal handler (gearlab.trainer.train.RunStop): stop at the next boundary
         self.nonfinite_streak = 0
-        self.totals = {"nonfinite_steps": 0, "reward_errors": 0, "generated_tokens": 0}
+        self.no_signal_streak = 0  # consecutive iterations in which every group's rewards were equal
+        self.totals = {"nonfinite_steps": 0, "reward_errors": 0, "generated_tokens": 0, "no_signal_iterations": 0}
         self.m_reward, self.m_acc, self.m_pass = MeanMetric(), MeanMetric(), MeanMetric()
 
     # -- Lightning plumbing -------------------------------------------------------------------
@@ -123,20 +128,23 @@ class GRPOModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.cfg.optim
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        # fused: one kernel, the same digits on every CPU class (the foreach form's square root is not)
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                                fused=True)
         total = self.cfg.trainer.max_steps * self.cfg.algorithm.ppo_epochs * self.cfg.algorithm.mini_batches
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
         return [opt], [sched]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["gearlab"] = {"iterations_done": self.iterations_done, "nonfinite_streak": self.nonfinite_streak,
-                                 "totals": dict(self.totals), "assigner": self.assigner.state_dict(),
+                                 "no_signal_streak": self.no_signal_streak, "totals": dict(self.totals), "assigner": self.assigner.state_dict(),
                                  "teacher": self.teacher.state_dict(), "config": _to_container(self.cfg)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         st = checkpoint.get("gearlab", {})
         self.iterations_done = st.get("iterations_done", 0)
         self.nonfinite_streak = st.get("nonfinite_streak", 0)
+        self.no_signal_streak = st.get("no_signal_streak", 0)
         self.totals.update(st.get("totals", {}))
         self.assigner.load_state_dict(st.get("assigner", {}))
         self.teacher.load_state_dict(st.get("teacher"))
@@ -357,9 +365,12 @@ class GRPOModule(L.LightningModule):
         self.log("reward", reward, prog_bar=True, on_step=True, logger=False)
         self.log("acc", acc, prog_bar=True, on_step=True, logger=False)
         lens = rb.response_mask.sum(-1).float()
+        frac_zero_std = grpo.zero_std_fraction(rb.rewards, rb.group_ids)
+        self._check_signal(rb, frac_zero_std, float(reward), credit_metrics)
         out = {
-            "train/reward": reward, "train/accuracy": acc, f"train/pass@{G}": pk,
-            "train/frac_zero_std": grpo.zero_std_fraction(rb.rewards, rb.group_ids),
+            "train/reward": reward, "train/accuracy": acc, f"train/pass_at_{G}": pk,
+            "train/frac_zero_std": frac_zero_std,
+            "train/no_signal_iterations_total": float(self.totals["no_signal_iterations"]),
             "train/response_len": lens.mean(), "train/adv_abs_mean": seq_adv.abs().mean(),
             "train/iteration": float(self.iterations_done), "train/lr": self.lr_schedulers().get_last_lr()[0],
             "train/generated_tokens_total": float(self.totals["generated_tokens"]),
@@ -377,6 +388,43 @@ class GRPOModule(L.LightningModule):
         # this iteration can then never be ahead of the metrics on record (a kill right after it loses none)
         if self._trainer is not None and self.trainer.is_global_zero and self.trainer.logger is not None:
             self.trainer.logger.log_metrics(out, step=self.iterations_done - 1)
+
+
+    def _check_signal(self, rb: RolloutBatch, frac_zero_std: float, reward: float, credit_metrics: dict[str, float]) -> None:
+        """Warn when this iteration had no learning signal: every group (on every rank) scored all its samples the
+        same, so every GRPO advantage is 0 and the update is (up to KL / entropy terms) nothing. After
+        ``trainer.no_signal_patience`` such iterations in a row, and again after as many more, a louder message
+        says that the run is training on nothing and what to check. Counted in ``train/no_signal_iterations_total``."""
+        has_groups = bool(rb.group_ids.numel()) and self.cfg.rollout.group_size > 1
+        with_spread = self._global_sum(float(has_groups and frac_zero_std < 1.0))  # collective: every rank calls it
+        if float(with_spread) > 0 or not has_groups:
+            self.no_signal_streak = 0
+            return
+        self.no_signal_streak += 1
+        self.totals["no_signal_iterations"] += 1
+        if self._trainer is not None and not self.trainer.is_global_zero:
+            return
+        # a method with its own non-outcome credit (e.g. a teacher's log-ratio) still moves the policy
+        other = " (the credit method's own non-outcome credit still moved the policy)" \
+            if credit_metrics.get("adv_abs_mean", 0.0) > 0 else ""
+        it, total = self.iterations_done, self.cfg.trainer.max_steps
+        log.warning("iteration %d/%d: no learning signal: every group's %d samples got equal rewards (mean reward "
+                    "%.3f), so every GRPO advantage is 0%s", it, total, self.cfg.rollout.group_size, reward, other)
+        patience = self.cfg.trainer.no_signal_patience
+        if patience > 0 and self.no_signal_streak % patience == 0:
+            if reward <= 0.0:
+                why = "no sample earned any reward: check that the answers are extracted and scored as intended " \
+                      "(the task's answer format, its reward) and that the problems are within the model's reach"
+            elif float(rb.rewards.min()) >= 1.0:
+                why = "every sample earned full reward: the problems are too easy for this model"
+            else:
+                why = "each problem is either always or never solved: use problems of mixed difficulty or a " \
+                      "larger rollout.group_size"
+            what = ("the rewards teach the policy nothing (only the credit method's own non-outcome credit moves it)"
+                    if other else "the run is training on nothing")
+            log.error("NO LEARNING SIGNAL for %d iterations in a row (%d of %d so far): %s — %s "
+                      "(trainer.no_signal_patience=%d)", self.no_signal_streak, self.totals["no_signal_iterations"], it,
+                      what, why, patience)
 
 
 def micro_batches(idx: Tensor, lengths: Tensor, max_seqs: int, max_tokens: int = 0) -> list[Tensor]:

@@ -2,7 +2,7 @@
 tags ``versions.<name>`` so a comparison can tell when its runs were not made with the same software.
 
 Cheap on purpose (``importlib.metadata`` reads the installed distributions' metadata, nothing is
-imported) and free of gearlab imports, so any module can use it without an import cycle."""
+imported) and imports only gearlab.cpu_kernels (no torch, no other gearlab module), so any module can use it without a cycle."""
 from __future__ import annotations
 
 import platform
@@ -10,6 +10,8 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from gearlab import cpu_kernels
 
 # distribution names read with importlib.metadata, in the order they are recorded
 PACKAGES = ("torch", "transformers", "tokenizers", "lightning", "mlflow", "omegaconf", "numpy")
@@ -29,8 +31,9 @@ def git_sha() -> str:
 
 def package_versions() -> dict[str, str]:
     """{name: version} of the packages a run depends on ("missing" when not installed), the Python version,
-    ``gearlab``: gearlab's git commit (the same value as the ``git_sha`` tag), and — when torch is loaded — what
-    else moves CPU numbers: ``torch_threads`` (intra-op threads) and ``cpu_capability`` (the kernels' ISA)."""
+    ``gearlab``: gearlab's git commit (the same value as the ``git_sha`` tag), and what else moves CPU numbers:
+    ``cpu_model``, the pinned kernel variables (gearlab.cpu_kernels) and — when torch is loaded — ``torch_threads``
+    (intra-op threads) and ``cpu_capability`` (the ISA ATen dispatches to)."""
     out: dict[str, str] = {}
     for name in PACKAGES:
         try:
@@ -39,11 +42,10 @@ def package_versions() -> dict[str, str]:
             out[name] = MISSING
     out["python"] = platform.python_version()
     out["gearlab"] = git_sha()
+    out.update(cpu_kernels.describe())
     torch = sys.modules.get("torch")  # already imported by any training process; never imported here
-    if torch is not None:
-        # CPU numbers depend on float reduction order: the intra-op thread count and the kernels' ISA
+    if torch is not None:  # CPU numbers depend on float reduction order: the intra-op thread count too
         out["torch_threads"] = str(torch.get_num_threads())
-        out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return out
 
 

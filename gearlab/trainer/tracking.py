@@ -3,9 +3,13 @@ the flattened config as params, and a run id kept beside the checkpoints so a re
 continues the same MLflow run.
 
 Experiments are created here (:func:`ensure_experiment`, also used by ``gearlab compare``), not by
-Lightning: tagged as model-training experiments (the MLflow 3 UI then opens on Runs, not on its GenAI
-"Traces" view) and, for a SQLite store, with their artifacts beside the database rather than in
-``./mlruns`` of whatever directory a command or the UI was started from."""
+Lightning: tagged with MLflow 3's model-training experiment kind and, for a SQLite store, with their artifacts
+beside the database rather than in ``./mlruns`` of whatever directory a command or the UI was started from.
+
+The kind tag does not decide where the MLflow UI opens: MLflow 3.17's UI starts on its GenAI pages unless its
+GenAI / machine-learning switch says otherwise, and that switch is a browser-wide setting (local storage
+``mlflow.workflowType``), not an experiment's. :func:`runs_url` gives the address that opens an experiment's runs
+whatever the switch says."""
 from __future__ import annotations
 
 import os
@@ -16,16 +20,17 @@ from typing import Any, Mapping
 
 from lightning.pytorch.loggers import MLFlowLogger
 
-from gearlab.config import Config, flatten, to_yaml
+from gearlab.config import Config, ConfigError, flatten, to_yaml
 from gearlab.core.metrics import sanitize_metric_key
 from gearlab.credit.diagnostics import normalisation_scope
 from gearlab.trainer.provenance import git_sha, version_tags  # noqa: F401  (git_sha: kept importable from here)
 
-# MLflow 3 keeps an experiment's kind in this experiment tag; the UI reads it to choose its layout
-# ("genai_development" → the Traces view, "custom_model_development" → "Machine learning": Runs, metrics,
-# artifacts). Values from the UI's ExperimentKind enum (mlflow/server/js, mlflow.experimentKind).
+# MLflow 3 keeps an experiment's kind in this experiment tag (values from the UI's ExperimentKind enum,
+# mlflow/server/js): it labels the experiment; it does not override the UI's browser-wide GenAI switch.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
+# `mlflow ui` / `mlflow server` listen here unless told otherwise (mlflow/utils/cli_args.py: --host, --port)
+MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"
 
 
 def tracking_uri(cfg: Config) -> str:
@@ -35,6 +40,71 @@ def tracking_uri(cfg: Config) -> str:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{Path(cfg.trainer.output_dir).resolve() / 'mlflow.db'}"
+
+
+def check_tracking_uri(cfg: Config, timeout: float = 2.0) -> None:
+    """An http(s) tracking store must answer within ``timeout`` seconds, else a one-line ConfigError naming the URI
+    and where it was set: MLflow's own client retries a dead server for minutes and ends in a long traceback. Any
+    HTTP answer counts, an auth error or a 404 included (the server is there; MLflow reports the rest), and so does a
+    TLS handshake it fails. Other stores (SQLite, files) are not probed."""
+    import ssl
+    import threading
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    uri = tracking_uri(cfg)
+    if not uri.lower().startswith(("http://", "https://")):
+        return
+    setting = "logging.tracking_uri" if cfg.logging.tracking_uri else "$MLFLOW_TRACKING_URI"
+    source = f"key '{setting}'" if cfg.logging.tracking_uri else setting
+    parts = urllib.parse.urlsplit(uri)
+    host = parts.hostname or ""
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        raise ConfigError(f"{source}: {uri!r} is not a valid http(s) address (its port)") from None
+    # credentials in the URI are MLflow's to send: neither probed with nor printed
+    shown = urllib.parse.urlunsplit((parts.scheme, (f"[{host}]" if ":" in host else host) + port, parts.path, "", ""))
+    failure: list[str] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(shown.rstrip("/") + "/health", timeout=timeout).close()
+        except urllib.error.HTTPError:
+            pass  # the server answered
+        except urllib.error.URLError as e:
+            if not isinstance(e.reason, ssl.SSLError):  # a TLS handshake means something is listening
+                failure.append(str(e.reason))
+        except (OSError, ValueError) as e:  # a timeout mid-answer, a malformed address
+            failure.append(str(e) or type(e).__name__)
+
+    # a thread, so that a name lookup that hangs (urlopen's timeout does not cover DNS) cannot hold the run either
+    t = threading.Thread(target=probe, daemon=True, name="gearlab-tracking-probe")
+    t.start()
+    t.join(timeout + 0.5)
+    if t.is_alive():
+        failure.append(f"no answer in {timeout:g} s")
+    if failure:
+        raise ConfigError(f"{source}: the MLflow tracking server {shown} is not reachable ({failure[0]}); start it, "
+                          f"or point {setting} at a live server") from None
+
+
+def runs_url(tracking: str, experiment_id: str) -> str:
+    """The MLflow UI address that opens the runs table of experiment ``experiment_id``.
+
+    The UI is a hash-routed single page: ``#/experiments/<id>/runs`` is its runs tab, and the ``workflowType``
+    query selects the machine-learning side of its GenAI / machine-learning switch for this page, where the stored
+    switch would otherwise show the GenAI navigation (route and parameter as MLflow 3.17's UI bundle defines
+    them). An ``http(s)://`` tracking URI is the server itself; any other store (SQLite, a folder) is read through
+    ``mlflow ui``, at its default address. Credentials in the URI are left out of the address (it is printed)."""
+    import urllib.parse
+
+    base = MLFLOW_UI_DEFAULT
+    if tracking.lower().startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(tracking)
+        base = urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", "")).rstrip("/")
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
 def artifact_location(tracking: str, experiment: str) -> str | None:
@@ -93,7 +163,8 @@ def record_versions(client: Any, run_id: str, versions: Mapping[str, str] | None
 
 
 class GearlabMLFlowLogger(MLFlowLogger):
-    """MLFlowLogger whose metric keys are made MLflow-safe without losing meaning (``pass@4`` → ``pass_at_4``),
+    """MLFlowLogger whose metric keys are made MLflow-safe without losing meaning (a key with "@" would become
+    ``_at_``; gearlab's own keys are already named that way),
     that keeps one value per step in a resumed run, and that marks a run stopped by Ctrl-C KILLED, not FAILED."""
 
     #: metric key → the last step already on record when this run was reopened (set by ``make_logger``). A

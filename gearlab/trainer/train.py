@@ -11,10 +11,9 @@ import logging
 import os
 import shutil
 import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import lightning as L
 import torch
@@ -22,16 +21,19 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
 from gearlab import credit
-from gearlab.config import Config, ConfigError, to_yaml
+from gearlab.config import Config, ConfigError, check_output_dir, to_yaml
 from gearlab.credit.options import OptionError
 from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, load_policy
+from gearlab.models.prompt_length import check_prompt_lengths, check_task_prompts
 from gearlab.parallel import distributed
 from gearlab.rollout.factory import resolve_engine
 from gearlab.trainer.data import PromptDataModule
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
 from gearlab.tasks.registry import task_from_config
-from gearlab.trainer.tracking import make_logger
+from gearlab.trainer.resume import RunState, check_engine, check_resume, pin_summary, record_extension, saved_yaml
+from gearlab.trainer.stopping import StopSignals
+from gearlab.trainer.tracking import check_tracking_uri, make_logger, tracking_uri
 
 log = logging.getLogger("gearlab")
 
@@ -42,7 +44,8 @@ def run_dir(cfg: Config) -> Path:
 
 
 def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
-    """Validate what the schema cannot (model path, task, assigner options) without loading weights."""
+    """Validate what the schema cannot (output folder, model path, task, assigner options) without loading weights."""
+    check_output_dir(cfg)
     ref = cfg.model.name_or_path
     if ref.startswith("embedded:"):
         if ref not in EMBEDDED:
@@ -91,29 +94,25 @@ def _is_launch_rank_zero() -> bool:
 
 
 @contextlib.contextmanager
-def run_folder_lock(rdir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``rdir/.lock`` for the whole run, so a second ``gearlab train`` with the same run
-    folder refuses at once instead of writing the same checkpoints and opening a second MLflow run. The lock is
-    the kernel's (``flock``): it goes away with the process, however it ends. Only launch rank 0 takes it."""
-    if not _is_launch_rank_zero():
-        yield
-        return
+def exclusive_lock(path: Path, who: str, busy: Callable[[str], str]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (created with its folder), writing ``who`` into it; when another
+    process holds it, raise ConfigError(``busy(holder)``), ``holder`` being what that process wrote. The lock is the
+    kernel's: it goes away with its process however that ends, so a file left by a dead process blocks nothing."""
     import fcntl
 
-    rdir.mkdir(parents=True, exist_ok=True)
-    f = open(rdir / ".lock", "a+")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise ConfigError(f"run folder {rdir} is in use by {holder}: wait for it to finish, or give this run its own "
-                          f"folder with trainer.run_name=NAME") from None
+        raise ConfigError(busy(holder)) from None
     try:
         f.seek(0)
         f.truncate()
-        f.write(f"gearlab pid {os.getpid()}")
+        f.write(who)
         f.flush()
         yield
     finally:
@@ -122,28 +121,57 @@ def run_folder_lock(rdir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def graceful_stop(module: GRPOModule) -> Iterator[None]:
-    """First Ctrl-C (SIGINT) or SIGTERM: finish the current iteration, write its checkpoint and stop, so the same
-    command resumes exactly where it stopped (and MLflow holds one value per iteration). A second Ctrl-C aborts at
-    once. Only installed in the main thread (signal handlers cannot be set elsewhere)."""
-    if threading.current_thread() is not threading.main_thread():
+def run_folder_lock(rdir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``rdir/.lock`` for the whole run, so a second ``gearlab train`` with the same run
+    folder refuses at once instead of writing the same checkpoints and opening a second MLflow run
+    (:func:`exclusive_lock`). Only launch rank 0 takes it."""
+    if not _is_launch_rank_zero():
         yield
         return
-
-    def request(signum, frame) -> None:
-        if module.interrupted and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        module.interrupted = True
-        log.warning("stop requested (%s): finishing this iteration and writing a checkpoint; Ctrl-C again aborts now",
-                    signal.Signals(signum).name)
-
-    # a signal the process was told to ignore (e.g. SIGINT under nohup or `cmd &`) stays ignored
-    old = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN}
-    try:
+    with exclusive_lock(rdir / ".lock", f"gearlab pid {os.getpid()}",
+                        lambda holder: f"run folder {rdir} is in use by {holder}: wait for it to finish, or give this "
+                                       f"run its own folder with trainer.run_name=NAME"):
         yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+
+
+class RunStop(StopSignals):
+    """The stop scope of one training run (gearlab.trainer.stopping): the first Ctrl-C (SIGINT) or SIGTERM marks the
+    module (``GRPOModule.interrupted``), which then finishes the current iteration, writes its checkpoint and stops, so
+    the same command resumes exactly where it stopped (and MLflow holds one value per iteration). A second Ctrl-C
+    aborts at once. Entered before the model loads, so a request during loading is kept for the module."""
+
+    def __init__(self) -> None:
+        super().__init__(self._tell)
+        self.module: GRPOModule | None = None
+
+    def attach(self, module: GRPOModule) -> None:
+        self.module = module
+        module.interrupted = module.interrupted or self.requested
+
+    def _tell(self, signum: int, first: bool) -> None:
+        if self.module is not None:
+            self.module.interrupted = True
+        if first:
+            log.warning("stop requested (%s): finishing this iteration and writing a checkpoint; Ctrl-C again aborts now",
+                        signal.Signals(signum).name)
+
+
+class KeepStopSignals(Callback):
+    """Puts gearlab's SIGINT / SIGTERM handler back once Lightning has installed its own (when a fit starts, after the
+    checkpoint is restored). Lightning's SIGTERM handler ends the fit with a SystemExit after the batch: exit 0, the
+    MLflow run FAILED, no resume line, and on several processes a broadcast from inside the handler; gearlab's stops
+    at the iteration boundary on every rank together (``GRPOModule``), exactly as Ctrl-C."""
+
+    def __init__(self, stop: StopSignals) -> None:
+        self.stop = stop
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.stop.install()
+        # a SIGTERM that came before this point went through Lightning's handler, which calls the handler it found
+        # (gearlab's): the request is on record here already, and Lightning's own flag would end the fit wrongly
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None and hasattr(connector, "received_sigterm"):
+            connector.received_sigterm = False
 
 
 class IterationCheckpoint(Callback):
@@ -183,14 +211,24 @@ class IterationCheckpoint(Callback):
         if it % self.every == 0 or it == self.total or getattr(pl_module, "stopped_early", False):
             self.save(trainer)
 
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint written at the last iteration marks the data stream exhausted, and Lightning would then end
+        # the fit at once: when trainer.max_steps was raised since (an extended run), more iterations follow
+        done = checkpoint.get("gearlab", {}).get("iterations_done", 0)
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+        if done < self.total and isinstance(progress, dict) and progress.get("is_last_batch"):
+            progress["is_last_batch"] = False
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, NonFiniteLossError):
             self.save(trainer, "nonfinite.ckpt")  # for inspection; last.ckpt stays the last good boundary
 
 
 class PeriodicEval(Callback):
-    """Held-out evaluation (greedy accuracy, avg@k, pass@k) before training, every ``every`` iterations
-    and after the last; logged as ``eval/*`` at step = completed iterations."""
+    """Evaluation on the task's test split (greedy accuracy, avg@k, pass@k) before training, every ``every``
+    iterations and after the last; logged as ``eval/*`` at step = completed iterations. The run's tag ``eval_split``
+    says which problems: ``test`` (held out) or ``train`` (a task without a separate test split, e.g. jsonl without
+    test_path; then a warning says so at the start)."""
 
     def __init__(self, cfg: Config, task: Task) -> None:
         self.cfg, self.task = cfg, task
@@ -203,14 +241,23 @@ class PeriodicEval(Callback):
         else:
             res = evaluate_model(module.policy, module.tokenizer, self.task, self.cfg)
         k = self.cfg.eval.k
-        metrics = {"eval/greedy_accuracy": res["greedy_accuracy"], f"eval/avg@{k}": res[f"avg@{k}"],
-                   f"eval/pass@{k}": res[f"pass@{k}"]}
+        # named as MLflow stores them ("@" is not allowed in an MLflow metric name), so the name logged, looked up
+        # and documented is one: eval/avg_at_4, not eval/avg@4 that the logger would rename
+        metrics = {"eval/greedy_accuracy": res["greedy_accuracy"], f"eval/avg_at_{k}": res[f"avg@{k}"],
+                   f"eval/pass_at_{k}": res[f"pass@{k}"]}
         metrics.update({f"eval/{n}": v for n, v in res.items() if n.startswith("greedy_") and n != "greedy_accuracy"})
         if trainer.is_global_zero and trainer.logger is not None:
             trainer.logger.log_metrics(metrics, step=module.iterations_done)
         module.last_eval = metrics
 
     def on_train_start(self, trainer, pl_module) -> None:
+        held_out = bool(getattr(self.task, "held_out", True))
+        if trainer.is_global_zero:
+            if not held_out:  # said at every start (a resumed run too): nothing may call these numbers held-out
+                log.warning("the evaluation uses the TRAINING problems: task %r has no separate test split (jsonl: set "
+                            "task.options.test_path); eval/* measures fitting, not generalisation", self.task.name)
+            if trainer.logger is not None:
+                trainer.logger.experiment.set_tag(trainer.logger.run_id, "eval_split", "test" if held_out else "train")
         if pl_module.iterations_done == 0:
             self._run(trainer, pl_module)
 
@@ -261,13 +308,24 @@ class TrainResult:
     max_steps: int = 0
     stopped_early: bool = False  # trainer.stop_after / deadline or Ctrl-C / SIGTERM: the run can be resumed
     interrupted: bool = False  # Ctrl-C / SIGTERM
+    stop_signal: int = 0  # the signal that stopped it (SIGINT 2, SIGTERM 15): the command exits with 128 + it
+    already_finished: bool = False  # finished before this call, which changed nothing (gearlab.trainer.resume)
+    eval_held_out: bool = True  # False: eval/* was measured on the training problems (the task has no test split)
 
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) one training run; bad input raises ConfigError before any work."""
     task, assigner = preflight(cfg)
     distributed.check(cfg)
+    prompts_checked = check_task_prompts(cfg, task)
+    check_tracking_uri(cfg)
     rdir = run_dir(cfg)
+    run_state = check_resume(cfg, rdir)  # a resumed run keeps its configuration: one line naming what differs
+    if run_state.finished_for(cfg):  # nothing to train: touch nothing (a re-run would rewrite final/ and summary.json)
+        summary = run_state.summary or {}
+        return TrainResult(rdir, summary.get("mlflow_run_id") or "", tracking_uri(cfg), dict(summary.get("metrics") or {}),
+                           iterations_done=run_state.iterations_done, max_steps=run_state.iterations_done,
+                           already_finished=True)
     ckpt_dir = rdir / "checkpoints"
     resume: str | None = None
     if cfg.trainer.resume == "auto":
@@ -276,16 +334,21 @@ def train(cfg: Config) -> TrainResult:
         if not Path(cfg.trainer.resume).exists():
             raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
         resume = cfg.trainer.resume
-    with run_folder_lock(rdir):
-        return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume)
+    with run_folder_lock(rdir), RunStop() as stop:
+        return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume, prompts_checked, run_state, stop)
 
 
 def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir: Path, ckpt_dir: Path,
-                  resume: str | None) -> TrainResult:
+                  resume: str | None, prompts_checked: bool = False, run_state: RunState | None = None,
+                  stop: RunStop | None = None) -> TrainResult:
+    run_state = run_state or RunState()
+    stop = stop or RunStop()
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     model, tok, model_name = load_policy(cfg)
+    if not prompts_checked:  # the tokenizer could not be read before the model loaded (a hub id, a new embedded model)
+        check_prompt_lengths(cfg, task, tok, model.config)
     # auto → fast | hf, before config.yaml and the MLflow params are written: they record the engine that ran
     cfg.rollout.engine = resolve_engine(cfg, model)
     if cfg.rollout.engine == "fast":  # before the run directory or the MLflow run exists
@@ -293,16 +356,35 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
 
         if reason := supports(model):
             raise ConfigError(f"key 'rollout.engine': fast decoding cannot run this model: {reason} (use rollout.engine=hf)")
+    check_engine(cfg, run_state, rdir)
+    # config.yaml is the run's record, as its MLflow params: written when the run starts, and on resume left as it
+    # is (keys free to differ, gearlab.trainer.resume, are not history) but for a raised trainer.max_steps
+    extending = run_state.extends(cfg)
+    if not run_state.exists:
+        cfg_yaml = to_yaml(cfg)
+    else:
+        cfg_yaml = saved_yaml(rdir, cfg.trainer.max_steps) if extending else (rdir / "config.yaml").read_text()
     rdir.mkdir(parents=True, exist_ok=True)
-    (rdir / "config.yaml").write_text(to_yaml(cfg))
+    if extending:
+        pin_summary(rdir, run_state)
+    if not run_state.exists or extending:  # whole or not at all: another rank of this launch may be reading it
+        tmp = rdir / f".config.yaml.{os.getpid()}.tmp"
+        tmp.write_text(cfg_yaml)
+        os.replace(tmp, rdir / "config.yaml")
     logger = make_logger(cfg, rdir, model_name=model_name)
+    if extending:
+        log.warning("extending the run from %d to %d iterations (trainer.max_steps raised)", run_state.saved_max_steps,
+                    cfg.trainer.max_steps)
+        if logger is not None:
+            record_extension(logger.experiment, logger.run_id, run_state.saved_max_steps, cfg.trainer.max_steps, cfg_yaml)
     module = GRPOModule(cfg, model, tok, task, assigner)
+    stop.attach(module)
     dm = PromptDataModule(task, prompts_per_step=cfg.rollout.prompts_per_step, num_steps=cfg.trainer.max_steps,
                           seed=cfg.trainer.seed)
-    ckpt = IterationCheckpoint(ckpt_dir, cfg.trainer.checkpoint_every, cfg.trainer.max_steps, to_yaml(cfg))
-    callbacks: list[Callback] = [ckpt]
+    ckpt = IterationCheckpoint(ckpt_dir, cfg.trainer.checkpoint_every, cfg.trainer.max_steps, cfg_yaml)
+    callbacks: list[Callback] = [KeepStopSignals(stop), ckpt]
     if cfg.eval.num_problems > 0:
-        callbacks.insert(0, PeriodicEval(cfg, task))  # before the checkpoint: the last eval lands in the run first
+        callbacks.insert(1, PeriodicEval(cfg, task))  # before the checkpoint: the last eval lands in the run first
     if cfg.trainer.progress_bar:
         callbacks.append(IterationProgressBar(cfg.trainer.max_steps))
     trainer = L.Trainer(
@@ -314,8 +396,12 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
     )
     if resume:
         log.warning("resuming from %s", resume)
-    with graceful_stop(module):
+    try:
         trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    except SystemExit:
+        if stop.requested:  # Lightning ends a fit aborted by a second Ctrl-C with exit(1): it is an interrupt
+            raise KeyboardInterrupt from None
+        raise
     if getattr(module, "stopped_early", False):
         if module.interrupted:
             log.warning("interrupted after %d of %d iterations; checkpoint %s — run the same command to resume",
@@ -327,7 +413,7 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
 
             mlflow.MlflowClient(logger._tracking_uri).set_terminated(logger.run_id, "KILLED")
         metrics = dict(getattr(module, "last_metrics", {}))
-        return _result(rdir, logger, metrics, cfg, module)
+        return _result(rdir, logger, metrics, cfg, module, stop)
     state = distributed.full_state_dict(module.policy)  # collective: every rank takes part
     if getattr(module.policy.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # saved once, as the embedding (what save_pretrained does by itself)
@@ -336,12 +422,17 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
         tok.save_pretrained(rdir / "final")
     metrics = dict(getattr(module, "last_metrics", {}), **getattr(module, "last_eval", {}))
     if trainer.is_global_zero:
+        # iterations_done marks the run finished at that many (gearlab.trainer.resume): re-running it changes nothing
         (rdir / "summary.json").write_text(json.dumps({"mlflow_run_id": logger.run_id if logger else None,
+                                                       "iterations_done": module.iterations_done,
                                                        "metrics": metrics}, indent=2))
-    return _result(rdir, logger, metrics, cfg, module)
+    return _result(rdir, logger, metrics, cfg, module, stop)
 
 
-def _result(rdir: Path, logger: Any, metrics: dict[str, float], cfg: Config, module: GRPOModule) -> TrainResult:
+def _result(rdir: Path, logger: Any, metrics: dict[str, float], cfg: Config, module: GRPOModule,
+            stop: StopSignals | None = None) -> TrainResult:
     return TrainResult(rdir, logger.run_id if logger else "", logger._tracking_uri if logger else "", metrics,
                        iterations_done=module.iterations_done, max_steps=cfg.trainer.max_steps,
-                       stopped_early=bool(getattr(module, "stopped_early", False)), interrupted=module.interrupted)
+                       stopped_early=bool(getattr(module, "stopped_early", False)), interrupted=module.interrupted,
+                       stop_signal=stop.signum if stop is not None and module.interrupted else 0,
+                       eval_held_out=bool(getattr(module.task, "held_out", True)))

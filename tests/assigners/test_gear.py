@@ -764,11 +764,15 @@ def test_aligned_response_keeps_its_grpo_advantage():
                          group_ids=torch.tensor([0]), rewards=torch.tensor([1.0]))
     H = torch.rand(1, 8, generator=torch.Generator().manual_seed(0))
     sig = {Signal.TEACHER_KL: d, Signal.ENTROPY: H, Signal.REASONING_MASK: torch.ones(1, 8)}
-    for opts in ({}, {"d_min": 0.0}, {"onset_rule": "zscore", "z_k": 3.0}, {"scale": "batch"}, {"normalisation": "none"}):
+    for opts in ({}, {"onset_rule": "zscore", "z_k": 3.0}, {"scale": "batch"}, {"normalisation": "none"}):
         a = credit.build("gear", opts)
         out = a.assign(batch, torch.tensor([1.0]), sig)
-        if not a.last_onsets.any():
-            assert torch.equal(out.token_advantages, torch.ones(1, 8)), opts
+        assert not a.last_onsets.any() and torch.equal(out.token_advantages, torch.ones(1, 8)), opts
+    # the absolute floor is what keeps it out: without it the 0.010-nat bump at t3 is an onset and credit moves
+    a = credit.build("gear", {"d_min": 0.0})
+    out = a.assign(batch, torch.tensor([1.0]), sig)
+    assert a.last_onsets[0].nonzero().flatten().tolist() == [3]
+    assert (out.token_advantages - 1).abs().max() > 0.1 and float(out.token_advantages.sum()) == pytest.approx(8.0)
     out = credit.build("gear").assign(batch, torch.tensor([1.0]), sig)
     assert torch.equal(out.token_advantages, torch.ones(1, 8))
     # the first reconstruction spread these weights by noise (the audit's numbers)

@@ -3,6 +3,7 @@ and a report rebuilt from MLflow alone (local SQLite and a real remote server)."
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,7 +54,7 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
         assert g["eval/greedy_accuracy"][0] == e["eval/greedy_accuracy"][0]  # same eval problems before training
     assert h[("grpo", "0")]["train/data_crc"] != h[("grpo", "1")]["train/data_crc"]  # seeds differ
     assert "report/report.md" in [a.path for a in client.list_artifacts(parent.info.run_id, "report")]
-    # a model-training experiment (not MLflow 3's GenAI view), artifacts beside the db, versions on every run
+    # MLflow 3's model-training kind tag, artifacts beside the db, versions on every run
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     assert exp.artifact_location == (tmp_path.resolve() / "mlartifacts" / "compare_pair").as_uri()
     assert all(r.data.tags["versions.torch"] == torch.__version__ for r in [parent, *kids.values()])
@@ -184,7 +185,9 @@ def test_replay_reuses_the_cached_rollouts(tmp_path, tiny_model_dir):
     replay(load_config([*over, "trainer.seed=7"]))  # another seed: the cached file decides the rollouts
     m2 = json.loads((tmp_path / "r.replay.json").read_text())["metrics"]
     assert torch.equal(load_rollouts(tmp_path / "r.pt")[0].response_ids, rb.response_ids)
-    assert m1 == m2 or all(abs(m1[k] - m2[k]) < 1e-9 or (m1[k] != m1[k]) for k in m1)
+    assert m1.keys() == m2.keys()
+    # a metric that is undefined on this batch (NaN) must be undefined on the replay too, not excuse a difference
+    assert [k for k in m1 if not (m1[k] == pytest.approx(m2[k], abs=1e-9) or (math.isnan(m1[k]) and math.isnan(m2[k])))] == []
     assert m1["sign_diff_vs_grpo/gear"] == 0.0 and "top10_share/entropy_fork" in m1
     assert first["sequences"] == 12
 
@@ -264,15 +267,48 @@ def test_parent_run_gets_the_headline_metrics(tmp_path):
         m = client.get_run(pid).data.metrics
         rows = {r["assigner"]: r for r in rep.rows}
         assert m["grpo/final_mean"] == pytest.approx(0.4) and m["grpo/n"] == 2
-        assert m["grpo/final_ci95"] == pytest.approx(rows["grpo"]["ci95"])
+        # two seeds are too few for an interval: none is logged, and the row says why
+        assert "grpo/final_ci95" not in m and rows["grpo"]["ci95_note"] == "n too small"
+        assert rows["gear"]["ci95_note"] == "no spread, interval undefined"  # 0.6 on both seeds
         assert m["gear/final_mean"] == pytest.approx(0.6) and m["gear/paired_diff"] == pytest.approx(0.2)
-        assert m["gear/paired_ci95"] == pytest.approx(rows["gear"]["diff_ci95"]) and m["gear/paired_n"] == 2
+        assert "gear/paired_ci95" not in m and rows["gear"]["diff_note"] == "n too small" and m["gear/paired_n"] == 2
         assert "grpo/paired_diff" not in m  # the baseline has no difference to itself
         assert m["pass_at_k/final_mean"] == pytest.approx(0.1) and "pass_at_k/final_ci95" not in m  # n = 1: no interval
         assert {m_.step for m_ in client.get_metric_history(pid, "gear/final_mean")} == {0}
         rep = build_report(uri, "head", out_dir=tmp_path / "rep")
     arts = [a.path for a in client.list_artifacts(pid, "report")]
     assert {"report/report.md", "report/report.json", "report/curves.png"} <= set(arts)
+
+
+def test_report_is_the_parent_runs_description_and_the_summary_opens_the_runs(tmp_path, monkeypatch):
+    """report.md becomes the parent run's description (the tag the MLflow UI shows on the run's page), and the closing
+    lines give the address of the experiment's runs, the task keys in the inspect line."""
+    from gearlab.cli import compare_summary
+
+    uri, client, pid = _fake_comparison(tmp_path, "desc", {(a, s): (0.5, [0.1, 0.2], _tags()) for a in ("grpo", "gear")
+                                                         for s in (0, 1, 2)})
+    rep = build_report(uri, "desc", out_dir=tmp_path / "rep")
+    assert client.get_run(pid).data.tags["mlflow.note.content"] == rep.markdown_path.read_text()
+    exp_id = client.get_experiment_by_name("compare/desc").experiment_id
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config([f"trainer.output_dir={tmp_path}", "compare.name=desc", "task=arith_hard", "rollout.group_size=4"])
+    lines = compare_summary(cfg).splitlines()
+    assert lines[1] == (f"look at them: mlflow ui --backend-store-uri sqlite:///mlflow.db, then open "
+                        f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning  "
+                        f"(experiment compare/desc; the comparison's report is the parent run's description)")
+    assert lines[2] == (f"see credit on one batch: gearlab inspect task=arith_hard "
+                        f"model.name_or_path={tmp_path / 'desc' / 'grpo-s0' / 'final'} rollout.group_size=4")
+
+
+def test_a_long_report_is_cut_at_a_line_to_fit_the_description():
+    from gearlab.commands.report import run_description
+
+    assert run_description("short\n") == "short\n"
+    text = "".join(f"line {i:04d}\n" for i in range(2000))  # 20,000 characters
+    out = run_description(text)
+    assert len(out) <= 8000 and out.startswith("line 0000\nline 0001\n")
+    assert out.endswith("\nline 0789\n\n… (cut to fit MLflow's description limit: the full report is the artifact "
+                        "report/report.md)\n")
 
 
 def test_accuracy_bands_stay_within_0_and_1():
@@ -311,10 +347,30 @@ def test_report_shows_the_start_and_the_paired_change_from_it(tmp_path):
     assert "start" in rep.table and "change from start" in rep.table and "23.3" in rep.table
 
 
+HASHED_TASK = '''
+import hashlib
+
+from gearlab.tasks import register_task
+from gearlab.tasks.arithmetic import ArithmeticTask
+
+
+@register_task("arith_hashed")
+class HashedRewardArithmetic(ArithmeticTask):
+    """The arithmetic prompts, rewarded 0 or 1 by a hash of the completion: a random model's samples differ in
+    reward, so its updates are not all zero."""
+
+    def reward(self, problem, completion):
+        return float(hashlib.sha256(completion.encode()).digest()[0] % 2)
+'''
+
+
 def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, capsys):
     """workers=2 (two long-lived spawned processes, several children each) records exactly the metrics of
     workers=1 (every child in this process, one after another), and keeps each child's output in its train.log."""
-    common = ["trainer.threads=1"]
+    plug = tmp_path / "hashed_task.py"
+    plug.write_text(HASHED_TASK)
+    # the random tiny model never answers right: with the real reward every update is zero and so proves nothing
+    common = ["trainer.threads=1", "task.name=arith_hashed", f"task.plugins=[{plug}]"]
     _run(tmp_path / "seq", tiny_model_dir, "pool", "[grpo,gear]", "[0,1]", *common)
     out, _ = _run(tmp_path / "par", tiny_model_dir, "pool", "[grpo,gear]", "[0,1]", *common, "compare.workers=2")
     assert out["failed"] == []
@@ -322,9 +378,14 @@ def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, caps
     for d in ("seq", "par"):
         client = mlflow.MlflowClient(f"sqlite:///{tmp_path / d / 'mlflow.db'}")
         exp = client.get_experiment_by_name("compare/pool")
-        hist[d] = {(r.data.tags["assigner"], r.data.tags["seed"]): _histories(client, r.info.run_id, ("train/reward", "eval/", "update/loss", "update/clipfrac"))
+        hist[d] = {(r.data.tags["assigner"], r.data.tags["seed"]): _histories(client, r.info.run_id, (
+                       "train/reward", "train/response_len", "eval/", "update/pg_loss", "update/grad_norm", "update/clipfrac"))
                    for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags}
     assert len(hist["par"]) == 4 and hist["par"] == hist["seq"]
+    h = hist["seq"][("gear", "1")]
+    assert {"train/reward", "train/response_len", "eval/greedy_accuracy", "update/pg_loss", "update/grad_norm",
+            "update/clipfrac"} <= h.keys()  # every prefix compared above names metrics that were logged
+    assert any(v != 0 for _, v in h["update/grad_norm"])  # ... and the updates compared were not all zero
     log = (tmp_path / "par" / "pool" / "gear-s1" / "train.log").read_text()
     assert "done" not in capsys.readouterr().out.split("to run")[1]  # children's output stays off the console
     assert log.strip()  # ... and lands in the child's log
@@ -346,7 +407,9 @@ def test_grid_expands_into_methods_with_their_own_runs(tmp_path):
     assert child.assigner.options.q_on == 0.95 and child.assigner.options.beta == 2
     rnd = load_config([o for o in children[3].overrides if not o.startswith("model.")])
     assert (rnd.assigner.name, rnd.assigner.base, rnd.assigner.options.segmentation) == ("gear_random", "gear", "random")
-    assert primary_metric(cfg) == "eval/avg@4" and primary_metric(load_config(["eval.k=8"])) == "eval/avg@8"
+    # the metric's name as MLflow stores it ("@" is not allowed there): the one name logged, looked up and documented
+    assert primary_metric(cfg) == "eval/avg_at_4" and primary_metric(load_config(["eval.k=8"])) == "eval/avg_at_8"
+    assert primary_metric(load_config(["compare.metric=eval/pass@4"])) == "eval/pass_at_4"
     with pytest.raises(ConfigError, match="compare.assigners"):
         methods_of(load_config(["compare.assigners=[grpo,nope]"]))
     with pytest.raises(ConfigError, match="compare.grid.gear"):

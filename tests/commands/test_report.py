@@ -102,10 +102,61 @@ def test_a_larger_effect_needs_fewer_seeds_and_one_seed_has_no_power(tmp_path):
     assert rows["gear"]["paired"]["n_needed"] == seeds_needed(0.1, rows["gear"]["paired"]["sd"]) == 3
     assert "detecting 10 points needs 3 seeds" in rep.table
     assert rows["solo"]["paired"] == {"diff": pytest.approx(0.2), "half_width": None, "sd": None, "mde80": None,
-                                      "n_needed": None, "n": 1}
+                                      "n_needed": None, "n": 1, "note": "n too small"}
     assert "power: solo vs grpo: not computable (n=1 paired seeds; the paired SD needs at least 2)" in rep.table
-    assert rows["solo"]["learning"] == {"mean": pytest.approx(0.3), "half_width": None, "n": 1}
-    assert "solo +30.0 points (n=1, no interval)" in rep.table
+    assert rows["solo"]["learning"] == {"mean": pytest.approx(0.3), "half_width": None, "n": 1, "note": "n too small"}
+    assert "solo +30.0 points (n=1, n too small)" in rep.table
+
+
+def test_two_seeds_with_identical_changes_give_no_interval_and_no_power(tmp_path):
+    """n = 2 and every seed moving by exactly the same amount: no "± 0.0 (excludes 0)", no MDE of 0; the reasons
+    instead, in the lines, the table cells, report.json and (by their absence) the parent's metrics."""
+    starts = {0: 0.300, 1: 0.500}
+    finals = {"grpo": {0: 0.294, 1: 0.494}, "gear": {0: 0.294, 1: 0.494}}  # −0.6 points on both seeds, both methods
+    uri, client, pid, _ = _fake_comparison(tmp_path, "flat", finals, starts=starts)
+    rep = build_report(uri, "flat", out_dir=tmp_path / "rep")
+    lines = rep.table.splitlines()
+    assert ("learning: grpo -0.6 points (n=2, no spread, interval undefined); "
+            "gear -0.6 points (n=2, no spread, interval undefined)") in lines
+    assert ("power: gear vs grpo: not computable (n=2 paired seeds, no spread: every seed gave the same difference, "
+            "so the paired SD is 0)") in lines
+    assert "excludes 0" not in rep.table and "± 0.0" not in rep.table
+    gear_row = next(line for line in lines if line.startswith("| gear "))
+    assert "0.0 (n=2, no spread, interval undefined)" in gear_row  # the Δ cell
+    assert "-0.6 (n=2, no spread, interval undefined)" in gear_row  # the change-from-start cell
+    assert "39.4 (n=2, n too small)" in gear_row  # the final column: two different finals, too few for an interval
+    js = {r["assigner"]: r for r in json.loads((tmp_path / "rep" / "report.json").read_text())["rows"]}
+    assert js["gear"]["paired"] == {"diff": pytest.approx(0.0), "half_width": None, "sd": pytest.approx(0.0),
+                                    "mde80": None, "n_needed": None, "n": 2, "note": "no spread, interval undefined"}
+    m = client.get_run(pid).data.metrics
+    assert "grpo/learning_ci95" not in m and "gear/mde80" not in m and "gear/paired_ci95" not in m
+    assert m["grpo/learning_mean"] == pytest.approx(-0.006)
+
+
+def test_two_seeds_with_spread_are_too_few_for_an_interval(tmp_path):
+    uri, _, _, _ = _fake_comparison(tmp_path, "two", {"grpo": {0: 0.30, 1: 0.40}, "gear": {0: 0.34, 1: 0.42}},
+                                    starts={0: 0.20, 1: 0.30})
+    rep = build_report(uri, "two", out_dir=tmp_path / "rep", log_to_parent=False)
+    assert "learning: grpo +10.0 points (n=2, no spread, interval undefined); gear +13.0 points (n=2, n too small)" \
+        in rep.table.splitlines()
+    gear = {r["assigner"]: r for r in rep.rows}["gear"]
+    assert gear["paired"]["half_width"] is None and gear["paired"]["note"] == "n too small"
+    assert "3.0 (n=2, n too small)" in next(line for line in rep.table.splitlines() if line.startswith("| gear "))
+    # the power line still states what two seeds could detect (a planning number, not a claim about this Δ)
+    assert gear["paired"]["mde80"] == pytest.approx(mde_paired(paired_sd([0.04, 0.02]), 2))
+
+
+def test_avg_at_k_is_reported_under_its_mlflow_name_also_when_named_with_an_at(tmp_path):
+    """Runs log eval/avg_at_4 (MLflow allows no "@"); a parent made before that named it eval/avg@4: the report finds
+    the values and shows the one name on record."""
+    uri, _, _, _ = _fake_comparison(tmp_path, "avg", FINALS, key="eval/avg_at_4", primary_metric="eval/avg@4")
+    rep = build_report(uri, "avg", out_dir=tmp_path / "rep", log_to_parent=False)
+    js = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert js["metric"] == "eval/avg_at_4" and js["primary_metric_source"] == "parent tag primary_metric"
+    assert {r["assigner"]: r["mean"] for r in rep.rows} == {"grpo": pytest.approx(1.01 / 3), "gear": pytest.approx(0.38),
+                                                             "rlsd": pytest.approx(0.8 / 3)}
+    assert rep.table.splitlines()[0].startswith("| method | final eval/avg_at_4 (%) |")
+    assert "eval/avg@4" not in rep.table
 
 
 def test_primary_metric_comes_from_the_parent_tag_unless_given(tmp_path):

@@ -125,7 +125,7 @@ LOGP = torch.tensor([
     [-0.782913446, -1.33840573, -2.11340213, -0.227304712],
     [-0.234720141, -0.626186609, -0.787905812, -1.77336872]])
 MASK = torch.arange(4)[None, :] < torch.tensor([3, 2, 4, 1, 2, 3, 4, 2])[:, None]
-# Expected numbers below were produced on 2026-11-26 by running the real verl functions on this
+# Expected numbers below were produced by running the real verl functions on this
 # fixture: verl 0.9.1 compute_grpo_outcome_advantage / compute_policy_loss_vanilla (clip_ratio_low
 # 0.2, clip_ratio_high 0.28, clip_ratio_c 3.0) / kl_penalty, and verl 0.7.0 for
 # seq-mean-token-sum-norm (see aggregate's docstring). They round to docs/grpo.md#reference-values.

@@ -9,7 +9,7 @@ import pytest
 from scipy import integrate
 from scipy.stats import chi2, norm, t
 
-from gearlab.core.power import mde_paired, paired_sd, power_paired, seeds_needed
+from gearlab.core.power import interval_note, mde_paired, paired_sd, power_paired, reported_interval, seeds_needed, t_interval
 
 
 def _power_by_integral(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
@@ -111,3 +111,17 @@ def test_edge_cases():
         mde_paired(1.0, 5, power=0.01)
     with pytest.raises(ValueError):
         seeds_needed(0.1, 1.0, alpha=1.5)
+
+
+def test_degenerate_intervals_are_named_not_reported():
+    assert interval_note([0.05]) == "n too small"
+    assert interval_note([0.10, 0.12]) == "n too small"  # a 2-seed interval rests on one degree of freedom
+    assert interval_note([-0.006, -0.006]) == "no spread, interval undefined"
+    # equal changes from different starts differ in the last bits only: still no spread
+    assert 0.30 - 0.20 != 0.40 - 0.30
+    assert interval_note([0.30 - 0.20, 0.40 - 0.30, 0.50 - 0.40]) == "no spread, interval undefined"
+    assert interval_note([0.1, 0.2, 0.4]) is None
+    mean, hw, note = reported_interval([0.1, 0.2, 0.4])
+    assert (mean, hw, note) == (pytest.approx(0.7 / 3), pytest.approx(t_interval([0.1, 0.2, 0.4])[1]), None)
+    assert reported_interval([-0.006, -0.006]) == (pytest.approx(-0.006), None, "no spread, interval undefined")
+    assert reported_interval([0.1, 0.3]) == (pytest.approx(0.2), None, "n too small")

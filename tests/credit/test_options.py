@@ -72,7 +72,7 @@ def test_assigners_command_prints_options():
     out = subprocess.run([sys.executable, "-m", "gearlab.cli", "assigners", "rlsd"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "lam" in out.stdout and "0.5" in out.stdout and "initial weight" in out.stdout
+    assert "lam" in out.stdout and "0.5" in out.stdout and "peak weight" in out.stdout
     assert "clip_eps" in out.stdout and "needs: logprobs, teacher_logprobs" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "gearlab.cli", "assigners", "nope"], capture_output=True, text=True,
                          timeout=120)

@@ -21,12 +21,12 @@ def test_smollm2_loads_offline_and_generates(tmp_path):
     from gearlab.models.loading import load_policy
     from gearlab.trainer.train import preflight
 
-    cfg = load_config(["model=smollm2_135m", "task=gsm8k", f"trainer.output_dir={tmp_path}"])
+    cfg = load_config(["model=smollm2_135m", "task=gsm8k", "task.options.path=sample", f"trainer.output_dir={tmp_path}"])
     preflight(cfg)
     model, tok, name = load_policy(cfg)
     assert name == "embedded:smollm2-135m" and (tmp_path / "embedded" / "smollm2-135m" / "config.json").is_file()
     assert sum(p.numel() for p in model.parameters()) == 134_515_008 and len(tok) == 49_152
-    task = get_task("gsm8k")
+    task = get_task("gsm8k", path="sample")
     engine = HFRolloutEngine(tok, task)
     rb = engine.generate(model.eval(), task.problems("test", 1), group_size=1, seed=0,
                          sampling=SamplingParams(max_new_tokens=24, greedy=True))

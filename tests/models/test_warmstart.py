@@ -1,10 +1,9 @@
-"""The embedded warm start pinned to the README's figures.
+"""The main job's starting point and its first RL steps, pinned to exact digests.
 
-Every number of the main job starts from this checkpoint, and its held-out accuracy moves with anything that
-changes floating-point rounding (a dependency version, the thread count — seed 0 gave 20.0% with 2 threads and
-42.5% with 1, same packages —, and the CPU: 46.5% on an AMD EPYC with the same lock and threads). With the committed
-lock (locks/cpu.txt) and `warmstart.threads` it is deterministic on one machine class; this test makes a drift fail
-CI instead of silently changing every result downstream.
+Every number of the main job starts from the shipped warm start (gearlab.models.shipped) and follows from it through
+RL. With the CPU kernels pinned (gearlab.cpu_kernels), both are bitwise the same on every x86-64 CPU class measured
+(AMD EPYC, Intel Xeon): these tests fail on any machine, dependency set or code change that would print other
+digits — the README's table must then be re-measured.
 """
 from __future__ import annotations
 
@@ -16,32 +15,71 @@ from pathlib import Path
 
 import pytest
 
+from gearlab.config import load_config
+from gearlab.models.checkpoints import weights_digest
+from gearlab.models.shipped import SHIPPED_DIR, recipe, shipped_matches
+
 ROOT = Path(__file__).resolve().parents[2]
-# README, "Two commands": the warm start's seed-0 held-out greedy accuracy on 200 problems, in percent, on each machine
-# class it was measured on. The same lock and thread count give different numbers on different CPUs (the BLAS kernels
-# differ, and this SFT is chaotic in rounding): 46.5 on the AMD EPYC (AVX-512) machines of 2026-11-27, 20.0 on the
-# machine of 2026-11-26 (its CPU was not recorded then; every run records versions.cpu_capability now)
-README_GREEDY = (46.5, 20.0)
-# ±5 points: about 1.6 binomial standard errors at n = 200 — a new environment that lands outside every band has
-# moved the starting point of every comparison, and the README's figures must be re-measured (locks/update.sh)
-BAND = 5.0
+# sha256 of the shipped warm start's weights (gearlab.models.checkpoints.weights_digest)
+START_SHA256 = "d79bb7adfeca651f0812a98b2799357039b76fa293d5ea6cb14c0a639f3d159c"
+# the final weights after 2 GEAR iterations from it (RL_COMMAND below), and two of its logged values
+RL_SHA256 = "cd3913acd4698f20df4be975b5c8b91a44b1c6c545a6558fb9a70ec533dcea9d"
+RL_OVERRIDES = ["assigner=gear", "trainer.max_steps=2", "trainer.threads=1", "trainer.accelerator=cpu",
+                "rollout.prompts_per_step=8", "rollout.group_size=4", "eval.num_problems=16",
+                "trainer.progress_bar=false", "trainer.run_name=pinned"]
 
 
-def test_readme_states_the_pinned_figures():
+def _gearlab(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_shipped_warm_start_is_the_pinned_one():
+    assert weights_digest(SHIPPED_DIR) == START_SHA256
+    info = json.loads((SHIPPED_DIR / "warmstart.json").read_text())
+    assert info["weights_sha256"] == START_SHA256 and info["steps"] == 450 and info["threads"] == 2
+    # the default recipe is the shipped one; any change to it means a real SFT run
+    assert shipped_matches(load_config([]), "embedded:tiny-arith")
+    assert shipped_matches(load_config(["experiment=embedded"]), "embedded:tiny-arith")
+    for change in ("trainer.seed=1", "warmstart.steps=400", "warmstart.threads=1", "task.options.max_operand=8"):
+        assert not shipped_matches(load_config([change]), "embedded:tiny-arith"), change
+    assert recipe(load_config([]), "embedded:tiny-arith")["lr"] == 3e-3
+
+
+def test_readme_states_the_shipped_accuracy():
+    info = json.loads((SHIPPED_DIR / "warmstart.json").read_text())
     readme = (ROOT / "README.md").read_text()
-    found = tuple(float(x) for x in re.findall(r"\*\*([0-9.]+)%\*\*\s+greedy\s+held-out\s+accuracy", readme))
-    assert found == README_GREEDY, "README no longer states the warm start's greedy accuracies in the expected form"
+    found = re.findall(r"\*\*([0-9.]+)%\*\*\s+greedy", readme)
+    assert found and float(found[0]) == round(100 * info["acc_plain_greedy"], 1), found
+
+
+def test_the_default_recipe_copies_the_shipped_files(tmp_path):
+    from gearlab.models.loading import embedded_dir, run_warmstart
+
+    cfg = load_config([f"trainer.output_dir={tmp_path}"])
+    res = run_warmstart(cfg)
+    assert res["weights_sha256"] == START_SHA256
+    assert weights_digest(embedded_dir(cfg, "embedded:tiny-arith")) == START_SHA256
+    assert not (embedded_dir(cfg, "embedded:tiny-arith") / "recipe.json").exists()
 
 
 @pytest.mark.slow
-def test_embedded_warmstart_stays_in_a_readme_band(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "warmstart", f"trainer.output_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_gearlab_warmstart_recomputes_the_shipped_weights(tmp_path):
+    _gearlab("warmstart", f"trainer.output_dir={tmp_path}")
     res = json.loads((tmp_path / "embedded" / "tiny-arith" / "warmstart.json").read_text())
-    assert res["threads"] == 2 and res["steps"] == 450 and res["n_eval"] == 200 and res["device"] == "cpu"
-    assert len(res["weights_sha256"]) == 64  # what `gearlab compare` pins the shared start with
-    acc = 100 * res["acc_plain_greedy"]
-    assert min(abs(acc - f) for f in README_GREEDY) <= BAND, (
-        f"seed-0 warm start reached {acc:.1f}% held-out greedy accuracy; the README states {README_GREEDY} "
-        f"(band ±{BAND}). Dependencies or numerics moved: re-measure the README's figures.")
+    shipped = json.loads((SHIPPED_DIR / "warmstart.json").read_text())
+    assert res["weights_sha256"] == START_SHA256, (
+        "`gearlab warmstart` no longer writes the shipped weights: dependencies, kernels or code moved the warm "
+        "start; re-make gearlab/models/data/tiny-arith and re-measure the README's figures")
+    for k in ("acc_plain_greedy", "acc_plain_sampled", "acc_privileged_greedy", "loss_last"):
+        assert res[k] == shipped[k], k
+
+
+@pytest.mark.slow
+def test_two_rl_iterations_give_the_pinned_weights(tmp_path):
+    _gearlab("train", f"trainer.output_dir={tmp_path}", *RL_OVERRIDES)
+    digest = weights_digest(tmp_path / "pinned" / "final")
+    summary = json.loads((tmp_path / "pinned" / "summary.json").read_text())["metrics"]
+    assert summary["train/iteration"] == 2
+    assert digest == RL_SHA256, f"2 GEAR iterations from the shipped start now end at {digest}"

@@ -4,8 +4,6 @@ responses end at their first stop token as HF's do, and a real training run and 
 through it. (The CUDA-graph capture and its speed are exercised by experiments/bench/trl_vs_gearlab.py on a GPU.)"""
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 

@@ -106,7 +106,7 @@ def test_aime_and_generic_rows():
 
 @pytest.mark.parametrize("name", SAMPLE_TASKS)
 def test_samples_load_with_disjoint_splits(name):
-    task = get_task(name)
+    task = get_task(name, path="sample")
     train, test = task.pools["train"], task.pools["test"]
     assert train and test
     assert not {p.meta["problem"] for p in train} & {p.meta["problem"] for p in test}
@@ -120,7 +120,7 @@ def test_samples_load_with_disjoint_splits(name):
 
 @pytest.mark.parametrize("name", ["gsm8k", "math500", "aime"])
 def test_sample_gold_matches_own_solution(name):
-    task = get_task(name)
+    task = get_task(name, path="sample")
     for p in task.pools["train"] + task.pools["test"]:
         assert p.solution, p
         assert math_reward(p.solution, p.answer) == 1.0, (p.answer, p.solution)
@@ -129,7 +129,7 @@ def test_sample_gold_matches_own_solution(name):
 
 
 def test_extract_answer():
-    task = get_task("math500")
+    task = get_task("math500", path="sample")
     assert task.extract_answer("so \\boxed{1} or rather \\boxed{ \\frac{1}{2} }.") == "\\frac{1}{2}"
     assert task.extract_answer("42") is None
 
@@ -182,6 +182,31 @@ def test_hub_id_uses_datasets_when_installed(monkeypatch):
     monkeypatch.setattr("gearlab.tasks.math._has_datasets", lambda: True)
     task = get_task("gsm8k", path="someone/gsm8k-like", hub_config="main")
     assert [p.answer for p in task.pools["train"]] == ["1"] and [p.answer for p in task.pools["test"]] == ["2"]
+
+
+@pytest.mark.parametrize("name, rows", [("gsm8k", 8), ("math", 8), ("math500", 8), ("aime", 6)])
+def test_no_path_refuses_naming_the_key_and_the_sample(name, rows):
+    from gearlab.config import ConfigError, load_config
+    from gearlab.tasks.registry import task_from_config
+
+    sample = SAMPLES["math500" if name == "math" else name].name
+    with pytest.raises(ConfigError) as e:
+        task_from_config(load_config([f"task={name}"]))
+    assert str(e.value) == (f"key 'task.options.path': no data file given; set task.options.path=FILE (JSONL, JSON "
+                            f"or parquet, or a hub id), or task.options.path=sample to use the {rows}-row test sample "
+                            f"gearlab/tasks/data/{sample}")
+    # the explicit opt-in is the shipped file
+    assert get_task(name, path="sample").path == str(SAMPLES["math500" if name == "math" else name])
+
+
+def test_train_without_a_data_path_is_one_line_exit_2(tmp_path, capsys):
+    from gearlab.cli import main
+
+    assert main(["train", "task=gsm8k", f"trainer.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gearlab: error: key 'task.options.path': no data file given;")
+    assert "task.options.path=sample" in err[0]
+    assert not any(tmp_path.iterdir())  # refused before any work
 
 
 def test_samples_are_packaged_jsonl():

@@ -35,6 +35,14 @@ def test_builtin_tasks_are_found_without_a_list():
     assert {"arith", "arith_hard", "jsonl", "tool_arith", "fncall", "gsm8k", "math500"} <= set(available_tasks())
 
 
+def test_every_task_yaml_selects_a_registered_task():
+    from gearlab.config import conf_dir, load_config
+
+    stems = sorted(p.stem for p in (conf_dir() / "task").glob("*.yaml"))
+    assert {"gsm8k", "math", "math500", "aime"} <= set(stems)  # the maths tasks docs/configuration.md names as task=NAME
+    assert [s for s in stems if load_config([f"task={s}"]).task.name not in available_tasks()] == []
+
+
 def test_task_from_a_file_trains(tmp_path, tiny_model_dir):
     plugin = tmp_path / "repeat_task.py"
     plugin.write_text(TASK_SRC.format(name="repeat_number"))

@@ -1,8 +1,6 @@
 """Held-out evaluation: a fixed problem set (eval.seed) and the cached evaluation of the starting weights."""
 from __future__ import annotations
 
-import pytest
-
 from gearlab.config import load_config
 from gearlab.tasks.registry import task_from_config
 from gearlab.trainer.evaluation import cached_start_evaluation, eval_seed, evaluate_model, start_cache_key

@@ -73,3 +73,47 @@ def test_which_methods_may_assign_inside_the_update():
     assert not credit.build("entropy_fork", {**fork, "normaliser": "paper"}).chunk_local(8)  # its loss mask
     assert not credit.build("entropy_fork", {}).chunk_local(8)  # batch scope
     assert not credit.build("grpo", {}).chunk_local(8)
+
+
+def test_no_signal_streak_counts_resets_and_says_what_to_check(caplog):
+    """The per-iteration warning, the louder one every ``trainer.no_signal_patience`` iterations in a row, the reset
+    when a group's rewards differ, and the reason the louder one gives (all solved / mixed / a method's own credit)."""
+    import logging
+    from types import SimpleNamespace
+
+    from gearlab.core import grpo
+    from gearlab.trainer.module import GRPOModule
+
+    cfg = load_config(["rollout.group_size=2", "trainer.max_steps=6", "trainer.no_signal_patience=2"])
+    module = SimpleNamespace(cfg=cfg, _trainer=None, no_signal_streak=0, totals={"no_signal_iterations": 0},
+                             iterations_done=0, _global_sum=lambda x: torch.as_tensor(x, dtype=torch.float32))
+    groups = torch.tensor([0, 0, 1, 1])
+    batches = [([1.0, 1.0, 0.0, 0.0], {}), ([1.0, 1.0, 0.0, 0.0], {}), ([1.0, 0.0, 0.0, 0.0], {}),
+               ([1.0, 1.0, 1.0, 1.0], {}), ([1.0, 1.0, 1.0, 1.0], {"adv_abs_mean": 0.2})]
+    caplog.set_level(logging.WARNING, logger="gearlab")
+    streaks = []
+    for rewards, credit_metrics in batches:
+        module.iterations_done += 1
+        rb = SimpleNamespace(rewards=torch.tensor(rewards), group_ids=groups)
+        GRPOModule._check_signal(module, rb, grpo.zero_std_fraction(rb.rewards, groups), sum(rewards) / 4, credit_metrics)
+        streaks.append(module.no_signal_streak)
+    assert streaks == [1, 2, 0, 1, 2] and module.totals["no_signal_iterations"] == 4
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "gearlab"]
+    assert said == [
+        (logging.WARNING, "iteration 1/6: no learning signal: every group's 2 samples got equal rewards (mean reward "
+                          "0.500), so every GRPO advantage is 0"),
+        (logging.WARNING, "iteration 2/6: no learning signal: every group's 2 samples got equal rewards (mean reward "
+                          "0.500), so every GRPO advantage is 0"),
+        (logging.ERROR, "NO LEARNING SIGNAL for 2 iterations in a row (2 of 2 so far): the run is training on nothing — "
+                        "each problem is either always or never solved: use problems of mixed difficulty or a larger "
+                        "rollout.group_size (trainer.no_signal_patience=2)"),
+        (logging.WARNING, "iteration 4/6: no learning signal: every group's 2 samples got equal rewards (mean reward "
+                          "1.000), so every GRPO advantage is 0"),
+        (logging.WARNING, "iteration 5/6: no learning signal: every group's 2 samples got equal rewards (mean reward "
+                          "1.000), so every GRPO advantage is 0 (the credit method's own non-outcome credit still moved "
+                          "the policy)"),
+        (logging.ERROR, "NO LEARNING SIGNAL for 2 iterations in a row (4 of 5 so far): the rewards teach the policy "
+                        "nothing (only the credit method's own non-outcome credit moves it) — every sample earned full "
+                        "reward: the problems are too easy for this model "
+                        "(trainer.no_signal_patience=2)"),
+    ]

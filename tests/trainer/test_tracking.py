@@ -82,6 +82,28 @@ def test_artifact_location_only_for_a_sqlite_store(tmp_path):
 def test_package_versions_is_cheap_and_complete():
     v = package_versions()
     assert set(v) == {"torch", "transformers", "tokenizers", "lightning", "mlflow", "omegaconf", "numpy", "python", "gearlab",
+                      "cpu_model", "cpu_kernels", "aten_cpu_capability", "mkl_cbwr", "onednn_max_cpu_isa",
                       "torch_threads", "cpu_capability"}  # the last two because torch is loaded in this process
     assert v["torch_threads"] == str(torch.get_num_threads())
+    # what decides CPU digits: the pinned kernels are in force in this (gearlab-importing) process
+    assert (v["aten_cpu_capability"], v["mkl_cbwr"], v["cpu_capability"]) == ("avx2", "COMPATIBLE", "AVX2")
+    assert v["cpu_model"] not in ("", "unknown")
     assert v["mlflow"] == mlflow.__version__ and all(isinstance(x, str) and x for x in v.values())
+
+
+def test_runs_url_opens_the_runs_tab_of_the_installed_mlflow_ui():
+    """The printed address: the experiment's runs tab with the machine-learning side of the UI's GenAI switch, as the
+    installed MLflow defines them (a UI upgrade that renames the route or the switch fails here, not on a user)."""
+    from gearlab.trainer.tracking import runs_url
+
+    assert runs_url("sqlite:////data/runs/mlflow.db", "7") == \
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+    assert runs_url("https://user:secret@mlflow.example.org/base/", "3") == \
+        "https://mlflow.example.org/base/#/experiments/3/runs?workflowType=machine_learning"  # no credentials printed
+    root = Path(mlflow.__file__).parent
+    # MLflow's own run links are hash routes under the server's address
+    assert 'f"{host_url}/#/experiments/{experiment_id}"' in (root / "tracking" / "_tracking_service" / "client.py").read_text()
+    ui = "".join(p.read_text(errors="ignore") for p in (root / "server" / "js" / "build" / "static" / "js").glob("main.*.js"))
+    assert '"/experiments/:experimentId/runs"' in ui  # the runs tab
+    assert 'get("workflowType")' in ui and 'MACHINE_LEARNING="machine_learning"' in ui  # the switch, read from the URL
+    assert 'key:"mlflow.workflowType"' in ui  # ... which otherwise comes from the browser's storage

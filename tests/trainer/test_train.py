@@ -171,6 +171,54 @@ def test_dataset_row_without_answer_names_file_and_row(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_no_learning_signal_is_warned_and_training_problems_are_not_called_held_out(tmp_path, tiny_model_dir, caplog):
+    """A jsonl file whose answers the random model never produces: every group's rewards are equal (all 0), so each
+    iteration warns, the third in a row louder; with no test file the evaluation is on the training problems and
+    nothing calls it held-out; eval/avg_at_2 is read back by that, the documented, name."""
+    import logging
+
+    from gearlab.cli import train_summary
+    from gearlab.commands.compare import primary_metric
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"prompt": "What is {i}+{i}?", "answer": "never-{i}"}}\n' for i in range(6)))
+    cfg = load_config(_overrides(tmp_path, tiny_model_dir, "task=jsonl", f"task.options.train_path={data}",
+                                 "trainer.max_steps=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                                 "rollout.max_new_tokens=8", "eval.num_problems=2", "eval.k=2"))
+    caplog.set_level(logging.WARNING, logger="gearlab")
+    res = train(cfg)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "gearlab"]
+    assert [m for lvl, m in said if "no learning signal" in m] == [
+        f"iteration {i}/4: no learning signal: every group's 2 samples got equal rewards (mean reward 0.000), so every "
+        f"GRPO advantage is 0" for i in range(1, 5)]
+    assert [m for lvl, m in said if lvl == logging.ERROR] == [
+        "NO LEARNING SIGNAL for 3 iterations in a row (3 of 3 so far): the run is training on nothing — no sample "
+        "earned any reward: check that the answers are extracted and scored as intended (the task's answer format, "
+        "its reward) and that the problems are within the model's reach (trainer.no_signal_patience=3)"]
+    assert (logging.WARNING, "the evaluation uses the TRAINING problems: task 'jsonl' has no separate test split "
+            "(jsonl: set task.options.test_path); eval/* measures fitting, not generalisation") in said
+    client = mlflow.MlflowClient(res.tracking_uri)
+    run = client.get_run(res.mlflow_run_id)
+    assert run.data.tags["eval_split"] == "train" and not res.eval_held_out
+    counted = sorted(client.get_metric_history(res.mlflow_run_id, "train/no_signal_iterations_total"), key=lambda m: m.step)
+    assert [m.value for m in counted] == [1.0, 2.0, 3.0, 4.0]
+    # the name compare and the docs use is the name on record: before training and after the last iteration
+    assert primary_metric(load_config(["eval.k=2"])) == "eval/avg_at_2"
+    assert sorted(m.step for m in client.get_metric_history(res.mlflow_run_id, "eval/avg_at_2")) == [0, 4]
+    assert not any("@" in k for k in run.data.metrics)
+    lines = train_summary(res, ["train"], cfg).splitlines()
+    assert ("final evaluation on the TRAINING problems (the task has no separate test split; not held-out): "
+            "avg_at_2 0.0%, greedy_accuracy 0.0%, pass_at_2 0.0%") in lines
+    assert not any("held-out evaluation" in line for line in lines)
+    assert "iterations without learning signal (every group's rewards equal): 4 of 4" in lines
+    exp_id = run.info.experiment_id
+    assert (f"look at it: mlflow ui --backend-store-uri {res.tracking_uri}, then open "
+            f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning") in lines
+    assert (f"see its credit on one batch: gearlab inspect task=jsonl model.name_or_path={res.run_dir / 'final'} "
+            f"task.options.train_path={data} rollout.group_size=2 rollout.max_new_tokens=8 "
+            f"algorithm.micro_batch_size=8") in lines
+
+
 def test_eval_and_help_commands(tmp_path, tiny_model_dir):
     from gearlab.cli import main
 
@@ -272,7 +320,9 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
     assert sorted(steps) == list(range(6))  # one value per iteration, none twice
     text = train_summary(second, ["train"])
     assert "done: 6 iterations" in text and "greedy_accuracy" in text and "mlflow ui --backend-store-uri sqlite:///" in text
-    assert f"gearlab inspect model.name_or_path={second.run_dir / 'final'}" in text
+    # the run's task and the sampling keys it changed, read back from the run folder's config.yaml
+    assert (f"see its credit on one batch: gearlab inspect task=arith model.name_or_path={second.run_dir / 'final'} "
+            f"rollout.group_size=4 rollout.max_new_tokens=12 algorithm.micro_batch_size=8") in text.splitlines()
 
 
 def test_deadline_stops_after_the_iteration_with_a_checkpoint_and_resumes(tmp_path, tiny_model_dir):
@@ -346,7 +396,7 @@ def test_run_folder_instead_of_its_model_gets_a_hint(tmp_path, tiny_model_dir, c
 
 
 def test_jsonl_task_from_the_readme(tmp_path, tiny_model_dir, capsys):
-    """`gearlab train ... task=jsonl task.options.train_path=...` (the README's example) runs; without the
+    """`gearlab train ... task=jsonl task.options.train_path=...` (docs/configuration.md's example) runs; without the
     path it is one line naming the option."""
     import json
 
