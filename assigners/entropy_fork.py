@@ -75,7 +75,9 @@ class EntropyForkAssigner(CreditAssigner):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         if self.scope == "micro_batch" and self.micro_batch_size is None:
-            raise OptionError("assigner.options.micro_batch_size", "scope='micro_batch' needs a positive micro_batch_size")
+            raise OptionError(
+                "assigner.options.micro_batch_size", "scope='micro_batch' needs a positive micro_batch_size"
+            )
 
     def chunk_local(self, rows: int) -> bool:
         # micro-batch scope selects within chunks of micro_batch_size rows; the paper normaliser's loss mask would
@@ -106,4 +108,6 @@ class EntropyForkAssigner(CreditAssigner):
         }
         if self.normaliser == "paper":
             return CreditOutput(token_advantages=adv, loss_mask=sel, metrics=metrics)
-        return CreditOutput(token_advantages=torch.where(sel, adv, torch.zeros_like(adv)), loss_mask=None, metrics=metrics)
+        return CreditOutput(
+            token_advantages=torch.where(sel, adv, torch.zeros_like(adv)), loss_mask=None, metrics=metrics
+        )

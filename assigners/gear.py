@@ -1,6 +1,7 @@
 """GEAR — Granularity-adaptivE Advantage Reweighting (arXiv 2605.11853): a PROPOSED reconstruction.
 
-Provenance (docs/credit/gear.md#provenance). The full text of the paper was NOT available, so only the outline is sourced:
+Provenance (docs/credit/gear.md#provenance). The full text of the paper was NOT available, so only the outline is \
+sourced:
 
 * [SRC, abstract] the trajectory-level GRPO advantage is reshaped with token- and segment-level signals
   from self-distillation: an on-policy student is compared with a ground-truth-conditioned teacher; the
@@ -27,7 +28,8 @@ reconstruction (``modulation="exp"``, the variant ``gear_v1``) used g = d / mean
 w = clip(exp(−sign(A)·β·(g−1)), 1−ε_w, 1+ε_w); with onsets at the 0.9 quantile g sits far above 1 there,
 so the clip bound for nearly every segment and sub-floor noise moved every weight.
 
-Every open question (docs/credit/gear.md#open-questions-and-their-options) is an option whose default is the PROPOSED choice:
+Every open question (docs/credit/gear.md#open-questions-and-their-options) is an option whose default is the PROPOSED \
+choice:
 
   Q1 divergence ........ ``divergence`` = "full_kl" (TEACHER_KL) | "sampled" (log π_S(y_t) − log π_T(y_t)
                          of the sampled token; ``clamp_sampled`` = True clamps it at 0)
@@ -53,7 +55,8 @@ Resolved details (all [PROPOSED], not in any source):
   local maximum compares with the neighbours in the pool that are adjacent and in the same turn (a
   missing neighbour counts as −∞). Excluded tokens still join segments and get per-token weights.
 * The entropy threshold is the q_h quantile over all generated tokens of the trajectory. Reading (a)
-  continues while H < τ_H (a fork H ≥ τ_H ends the segment, the forking-token notion of docs/credit/entropy_fork.md); reading (b) continues
+  continues while H < τ_H (a fork H ≥ τ_H ends the segment, the forking-token notion of docs/credit/entropy_fork.md); \
+reading (b) continues
   while H ≥ τ_H, with the same threshold.
 * Segment length (onset included) is at most l_max. Segments never contain a masked token and never
   cross a change of ``batch.turn_ids``.
@@ -149,10 +152,14 @@ class GEAROptions:
     """GEAR's options (docs/credit/gear.md#options); every open question of the reconstruction is one."""
 
     # Q1: the divergence d_t
-    divergence: str = option("full_kl", "full-vocabulary KL(π_S‖π_T), or the sampled-token log-ratio", choices=DIVERGENCES)
+    divergence: str = option(
+        "full_kl", "full-vocabulary KL(π_S‖π_T), or the sampled-token log-ratio", choices=DIVERGENCES
+    )
     clamp_sampled: bool = option(True, "divergence=sampled: clamp the single-sample estimate at 0")
     # Q2: onsets
-    onset_rule: str = option("quantile", "onsets at the per-trajectory q_on-quantile of d, or at μ + z_k·σ", choices=ONSET_RULES)
+    onset_rule: str = option(
+        "quantile", "onsets at the per-trajectory q_on-quantile of d, or at μ + z_k·σ", choices=ONSET_RULES
+    )
     q_on: float = option(0.9, "onset quantile of d within a trajectory", lo=0.0, hi=1.0)
     d_min: float = option(0.05, "absolute floor on an onset's divergence (nats)", lo=0.0)
     z_k: float = option(2.0, "onset_rule=zscore: standard deviations above the mean")
@@ -160,7 +167,9 @@ class GEAROptions:
     exclude_last_tokens: int = option(0, "answer-leak guard: the last k generated tokens cannot be onsets", lo=0)
     exclude_answer_span: bool = option(True, "answer-leak guard: the final-answer span cannot hold onsets")
     # Q3: segment extent
-    entropy_rule: str = option("low_continues", "a segment runs while H < Q_{q_h}(H), or while H is high", choices=ENTROPY_RULES)
+    entropy_rule: str = option(
+        "low_continues", "a segment runs while H < Q_{q_h}(H), or while H is high", choices=ENTROPY_RULES
+    )
     entropy_source: str = option("student", "whose entropy bounds segments", choices=ENTROPY_SOURCES)
     q_h: float = option(0.8, "entropy quantile that ends a segment", lo=0.0, hi=1.0)
     l_max: int = option(64, "longest segment, onset included (tokens)", lo=1)
@@ -177,7 +186,9 @@ class GEAROptions:
     normalisation: str = option("sequence", "rescale weights to keep each trajectory's (or group's / batch's) mass",
                                 choices=NORMALISATIONS)
     # Q6, Q7: the teacher
-    teacher_mode: str = option("live", "teacher weights: the current policy, a frozen copy, or an EMA", choices=TEACHER_MODES)
+    teacher_mode: str = option(
+        "live", "teacher weights: the current policy, a frozen copy, or an EMA", choices=TEACHER_MODES
+    )
     teacher_sync_every: int = option(0, "teacher_mode=frozen: re-sync every k iterations (0 = never)", lo=0)
     teacher_ema: float = option(0.99, "teacher_mode=ema: decay", lo=0.0, hi=1.0)
     teacher_context: str = option("answer", "privileged context the teacher sees", choices=TEACHER_CONTEXTS)
@@ -191,7 +202,8 @@ class GEAROptions:
 
 @register("gear")
 class GEARAssigner(CreditAssigner):
-    """GEAR (arXiv 2605.11853), PROPOSED reconstruction (docs/credit/gear.md#the-reconstruction): divergence-peak onsets,
+    """GEAR (arXiv 2605.11853), PROPOSED reconstruction (docs/credit/gear.md#the-reconstruction): divergence-peak \
+onsets,
     entropy-bounded segments, sign-aware clipped weights, per-trajectory mass preservation."""
 
     needs = frozenset({Signal.TEACHER_KL, Signal.ENTROPY})  # with the default options
@@ -221,7 +233,9 @@ class GEARAssigner(CreditAssigner):
     # -- signals ----------------------------------------------------------------------------
     def _signal(self, signals: dict[Signal, Tensor], sig: Signal, like: Tensor) -> Tensor:
         if sig not in signals:
-            raise ValueError(f"gear: signal {sig.value!r} missing (declared needs: {sorted(s.value for s in self.needs)})")
+            raise ValueError(
+                f"gear: signal {sig.value!r} missing (declared needs: {sorted(s.value for s in self.needs)})"
+            )
         x = signals[sig].detach().to(device=like.device, dtype=torch.float64)
         if tuple(x.shape) != tuple(like.shape):
             raise ValueError(f"gear: signal {sig.value!r} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
@@ -249,7 +263,9 @@ class GEARAssigner(CreditAssigner):
 
         d = self._divergence(signals, mask)
         if self._uses_entropy:
-            H = self._signal(signals, Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY, mask)
+            H = self._signal(
+                signals, Signal.ENTROPY if self.entropy_source == "student" else Signal.TEACHER_ENTROPY, mask
+            )
         else:  # the lengths of GEAR's own segments are not used (segmentation=fixed, fixed_len > 0)
             H = torch.zeros_like(d)
 
@@ -318,7 +334,9 @@ class GEARAssigner(CreditAssigner):
             w = torch.where(onset.any(dim=1, keepdim=True), w, torch.ones_like(w))
         w = torch.where(valid, w, torch.zeros_like(w))
         seg_w = w[onset & valid]  # one weight factor per segment, before normalisation
-        clip_frac = float(((seg_w - 1.0).abs() >= _AT_BOUND * self.eps_w).double().mean()) if seg_w.numel() and self.eps_w > 0 else 0.0
+        clip_frac = float(
+            ((seg_w - 1.0).abs() >= _AT_BOUND * self.eps_w).double().mean()
+        ) if seg_w.numel() and self.eps_w > 0 else 0.0
 
         # 5. normalisation ------------------------------------------------------------------------
         if self.normalisation == "sequence":
@@ -351,7 +369,9 @@ class GEARAssigner(CreditAssigner):
         """modulation=exp*: g_t = d_t / (the trajectory's mean d) [B, T]; 1 where that mean is ≤ 1e-12."""
         mean_d = (d * valid).sum(dim=1) / N.clamp(min=1).to(d.dtype)
         ok = (N > 0) & torch.isfinite(mean_d) & (mean_d > _MEAN_EPS)
-        return torch.where(ok[:, None], d / torch.where(ok, mean_d, torch.ones_like(mean_d))[:, None], torch.ones_like(d))
+        return torch.where(
+            ok[:, None], d / torch.where(ok, mean_d, torch.ones_like(mean_d))[:, None], torch.ones_like(d)
+        )
 
     def _strength(self, d: Tensor, pool: Tensor, onset: Tensor, batch: RolloutBatch) -> Tensor:
         """modulation=tanh*: s_t = log1p(max(0, d_t − d_min) / c) [B, T] on onset candidates (0 elsewhere), c the
@@ -368,7 +388,9 @@ class GEARAssigner(CreditAssigner):
             rows, cols = onset.nonzero(as_tuple=True)
             c = _grouped_median(e[rows, cols], key[rows], int(key.max()) + 1 if B else 0)[key]
         ok = c > _MEAN_EPS
-        return torch.where(ok[:, None], torch.log1p(e / torch.where(ok, c, torch.ones_like(c))[:, None]), torch.zeros_like(e))
+        return torch.where(
+            ok[:, None], torch.log1p(e / torch.where(ok, c, torch.ones_like(c))[:, None]), torch.zeros_like(e)
+        )
 
     # -- controls (docs/credit/controls.md) ------------------------------------------------------
     def _control(self, batch: RolloutBatch, valid: Tensor, link: Tensor, onset: Tensor, seg_ids: Tensor,
@@ -423,7 +445,9 @@ class GEARAssigner(CreditAssigner):
         return new_on, in_seg, new_seg, torch.where(in_seg, held.to(dev), g_tok)
 
     @staticmethod
-    def _metrics(active: Tensor, valid: Tensor, onset: Tensor, in_seg: Tensor, w: Tensor, d: Tensor) -> dict[str, float]:
+    def _metrics(
+        active: Tensor, valid: Tensor, onset: Tensor, in_seg: Tensor, w: Tensor, d: Tensor
+    ) -> dict[str, float]:
         """Means over the A ≠ 0 sequences; an empty set reports 0 (weights are > 0, so 0 means "none")."""
         n_act = int(active.sum())
         n_tok = int(valid.sum())

@@ -85,7 +85,8 @@ class GiGPOOptions:
     step_coef: float = option(1.0, "weight of the anchor-state step advantage A^S")
     eps: float = option(1e-6, "std floor", lo=0.0)
     cross_steps: bool = option(True, "an anchor state groups steps across turns")
-    similarity_thresh: float | None = option(None, "group text observations whose similarity exceeds this (None: exact)",
+    similarity_thresh: float | None = option(None,
+                                             "group text observations whose similarity exceeds this (None: exact)",
                                              lo=0.0, lo_open=True, hi=1.0, hi_open=True)
     outcome_in_returns: bool = option(True, "the outcome reward is part of the step returns")
 

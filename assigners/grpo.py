@@ -1,6 +1,7 @@
 """Plain GRPO credit: every generated token of a response gets its sequence advantage.
 
-Source: verl ``compute_grpo_outcome_advantage`` / TRL GRPOTrainer (docs/grpo.md#group-advantages): A_{i,t} = A_i · m_{i,t}.
+Source: verl ``compute_grpo_outcome_advantage`` / TRL GRPOTrainer (docs/grpo.md#group-advantages): A_{i,t} = A_i · \
+m_{i,t}.
 """
 from __future__ import annotations
 

@@ -59,7 +59,9 @@ def _entry(i: int, e: Any) -> tuple[str, float, dict[str, Any]]:
     if isinstance(e, str):
         return e, 1.0, {}
     if not isinstance(e, Mapping):
-        raise OptionError(KEY, f"entry {i}: expected a method label or a mapping {{method, weight, options}}, got {e!r}")
+        raise OptionError(
+            KEY, f"entry {i}: expected a method label or a mapping {{method, weight, options}}, got {e!r}"
+        )
     if set(e) - {"method", "weight", "options"}:
         raise OptionError(KEY, f"entry {i}: unknown keys {sorted(set(e) - {'method', 'weight', 'options'})}; "
                                "allowed: method, weight, options")

@@ -33,7 +33,8 @@ normalised outcome advantage, docs/grpo.md#group-advantages)
                        The natural per-turn-index port of the 2-turn code. BIASED when the policy
                        decides when to stop: the number of baseline terms subtracted depends on the
                        trajectory's own stopping turn, i.e. an action-dependent baseline that taxes
-                       every extra turn by the group mean of its reward (verl#7244; docs/credit/mt_grpo.md#why-reward-to-go-is-the-default).
+                       every extra turn by the group mean of its reward (verl#7244; \
+docs/credit/mt_grpo.md#why-reward-to-go-is-the-default).
   norm="zero_fill"     V_{i,k} = Σ_{k'≥k} A^{T,k'}_i over ALL k' < K, A^{T,k'} = group-norm of r_{·,k'}
                        over the whole group with missing turns counted as reward 0. Every response
                        subtracts the same K-k baselines, so the baseline no longer depends on i's

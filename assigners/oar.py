@@ -2,7 +2,8 @@
 
 Each reasoning token gets a weight from its saliency for the outcome distribution (OAR-G: input
 gradient × embedding, OAR-P: counterfactual masking; computed in gearlab.saliency), turned into
-weights by the bi-level reshaping (docs/credit/oar.md#bi-level-reshaping); A_{i,t} = A_i · w_t · m_t, with w = 1 outside the
+weights by the bi-level reshaping (docs/credit/oar.md#bi-level-reshaping); A_{i,t} = A_i · w_t · m_t, with w = 1 \
+outside the
 reasoning span. The weights are positive, so signs are kept; with ``sum_to_L`` the reasoning
 weights sum to the number L of reasoning tokens, so Σ_t A_{i,t} = N_i · A_i.
 """
@@ -38,7 +39,8 @@ def _row_quantile(values: Tensor, mask: Tensor, q: float) -> Tensor:
 
 def bilevel_weights(saliency: Tensor, reasoning_mask: Tensor, *, q: float = 0.25, beta: float = 1.0,
                     floor: float = 0.1, sum_to_L: bool = True) -> Tensor:
-    """Bi-level reshaping weights (docs/credit/oar.md#bi-level-reshaping) [B, T] float32; 1.0 outside the reasoning span.
+    """Bi-level reshaping weights (docs/credit/oar.md#bi-level-reshaping) [B, T] float32; 1.0 outside the reasoning \
+span.
 
     Per sequence, over its L reasoning tokens: ŝ = log1p(s) (s clamped at 0); n = min-max
     normalised ŝ (range taken as 1 when ŝ is constant, so n = 0); τ = the q-quantile of n;
@@ -85,8 +87,11 @@ class OAROptions:
 @dataclass
 class OARGOptions(OAROptions):
     # the released default of OAR-G (OAR-P keeps "last")
-    pfinal_mode: str = option("answer_mean", "which answer-token probability the saliency follows", choices=PFINAL_MODES)
-    saliency_noise: float = option(1e-3, "embedding noise of the input-gradient saliency (> 0: at 0 the gradient vanishes)",
+    pfinal_mode: str = option(
+        "answer_mean", "which answer-token probability the saliency follows", choices=PFINAL_MODES
+    )
+    saliency_noise: float = option(1e-3,
+                                   "embedding noise of the input-gradient saliency (> 0: at 0 the gradient vanishes)",
                                    lo=0.0, lo_open=True)
 
 
@@ -127,7 +132,8 @@ class _OARBase(CreditAssigner):
             "no_reasoning_frac": float((~has).float().mean()) if has.numel() else 0.0,
         }
         if wr.numel():
-            metrics.update({"weight_max": float(wr.max()), "weight_min": float(wr.min()), "weight_std": float(wr.std(unbiased=False)),
+            metrics.update({"weight_max": float(wr.max()), "weight_min": float(wr.min()),
+                            "weight_std": float(wr.std(unbiased=False)),
                             "high_frac": float((wr >= 1.0).float().mean()),
                             "saliency_mean": float(sal[reasoning].mean())})
         return CreditOutput(token_advantages=adv, metrics=metrics)
@@ -135,7 +141,8 @@ class _OARBase(CreditAssigner):
 
 @register("oar_g")
 class OARGAssigner(_OARBase):
-    """OAR-G: reasoning-token weights from input-gradient saliency (docs/credit/oar.md#oar-g-input-gradient-saliency)."""
+    """OAR-G: reasoning-token weights from input-gradient saliency \
+(docs/credit/oar.md#oar-g-input-gradient-saliency)."""
 
     needs = frozenset({Signal.INPUT_GRAD_SALIENCY, Signal.REASONING_MASK})
     saliency_signal = Signal.INPUT_GRAD_SALIENCY

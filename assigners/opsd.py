@@ -12,8 +12,10 @@ L = −mean_t Δ_t log π_S(y_t): the core's token-mean clipped surrogate has th
 
 Provenance of each part:
   * Δ on generated tokens, detached, same temperature for both: [SRC].
-  * No outcome reward (outcome_coef = 0): [SRC] OPSD is self-distillation only (docs/credit/rlsd.md#relation-to-opsd-and-grpo
-    relation (docs/credit/rlsd.md#relation-to-opsd-and-grpo): OPSD with reverse KL ≙ Â_t = Δ_t). outcome_coef > 0 gives a GRPO+OPSD sum
+  * No outcome reward (outcome_coef = 0): [SRC] OPSD is self-distillation only \
+(docs/credit/rlsd.md#relation-to-opsd-and-grpo
+    relation (docs/credit/rlsd.md#relation-to-opsd-and-grpo): OPSD with reverse KL ≙ Â_t = Δ_t). outcome_coef > 0 \
+gives a GRPO+OPSD sum
     [PROPOSED option, not a source method].
   * coef = 1: [SRC] (no scale in the source loss).
   * clip = None: [SRC] the source has no clipping on this path ("can be unstable"); a positive value
@@ -22,7 +24,8 @@ Provenance of each part:
     two coincide for on-policy μ = 1 updates (docs/credit/README.md#shared-settings-for-comparisons).
   * Teacher context "solution" (full reference solution; the task falls back to the answer when it
     has none): [SRC] and docs/credit/README.md#shared-settings-for-comparisons.
-  * Teacher weights "live" (the current policy): [PROPOSED] shared setting (docs/credit/README.md#shared-settings-for-comparisons). The source's main runs
+  * Teacher weights "live" (the current policy): [PROPOSED] shared setting \
+(docs/credit/README.md#shared-settings-for-comparisons). The source's main runs
     use a FIXED teacher (θ₀): set teacher_mode="frozen", teacher_sync_every=0 to reproduce it [SRC].
 """
 from __future__ import annotations

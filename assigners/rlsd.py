@@ -101,7 +101,9 @@ class RLSDAssigner(CreditAssigner):
         metrics = {"rlsd/lambda": lam}
         if lam == 0.0:
             return CreditOutput(token_advantages=grpo, metrics=metrics)
-        delta = ((signals[Signal.TEACHER_LOGPROBS].float() - signals[Signal.LOGPROBS].float()).to(mask.device) * m).detach()
+        delta = (
+            (signals[Signal.TEACHER_LOGPROBS].float() - signals[Signal.LOGPROBS].float()).to(mask.device) * m
+        ).detach()
         w = torch.exp(torch.sign(a) * delta)  # [B, T]
         cw = w.clamp(1.0 - self.clip_eps, 1.0 + self.clip_eps)
         factor = (1.0 - lam) + lam * cw

@@ -10,7 +10,8 @@ What it removes: every link between a token and its credit. A method whose credi
 (``grpo``) is unchanged.
 
 Seeding [PROPOSED]: one ``torch.Generator`` per row, seeded by blake2b(control_seed, the row's real prompt ids,
-its real response ids) — ``gearlab.credit.seeding.row_seeds``, shared with GEAR's ``segmentation=random``. The same response to the same prompt is
+its real response ids) — ``gearlab.credit.seeding.row_seeds``, shared with GEAR's ``segmentation=random``. The same \
+response to the same prompt is
 permuted the same way wherever it sits in a batch, whatever the other rows are, and on any device.
 
 Promises, hooks and teacher settings are the inner method's: ``needs``, ``preserves_sign``, ``preserves_mass``,
@@ -37,7 +38,9 @@ from gearlab.credit.seeding import row_seeds  # noqa: F401 (re-exported for test
 
 @dataclass
 class ShuffleOptions:
-    of: str = option("gear", "the method whose token credit is shuffled: a registered assigner, a variant or a grid label")
+    of: str = option(
+        "gear", "the method whose token credit is shuffled: a registered assigner, a variant or a grid label"
+    )
     # the option kit does not type-check dict fields; ShuffleAssigner checks this one itself
     of_options: dict = option({}, "options on top of the method's own: a mapping, or a string 'key=value,key=value'")
     control_seed: int = option(0, "seed of the per-row permutations, mixed with each row's token ids")

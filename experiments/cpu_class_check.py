@@ -60,7 +60,8 @@ def workload(threads: int, steps: int) -> dict[str, str]:
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0, top_p=1.0,
                          max_new_tokens=64, pad_token_id=0)
     return {**describe(), "torch": torch.__version__, "loss": f"{loss.item():.9g}",
-            "weights_sha256": w.hexdigest()[:16], "tokens_sha256": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16]}
+            "weights_sha256": w.hexdigest()[:16],
+            "tokens_sha256": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16]}
 
 
 def main() -> None:
@@ -74,7 +75,9 @@ def main() -> None:
         return
     res = {}
     for mode in ("pinned", "native"):
-        env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")}
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+        }
         if mode == "native":
             env["GEARLAB_CPU_KERNELS"] = "native"
         out = subprocess.run([sys.executable, __file__, "--one", mode, "--threads", str(a.threads), "--steps",

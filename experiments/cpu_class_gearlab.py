@@ -30,7 +30,8 @@ def main() -> None:
     t0 = time.time()
     _gearlab("warmstart", *common, "warmstart.steps=60")
     t1 = time.time()
-    _gearlab("train", *common, "assigner=gear", "trainer.max_steps=2", "trainer.threads=1", "rollout.prompts_per_step=8",
+    _gearlab("train", *common, "assigner=gear", "trainer.max_steps=2", "trainer.threads=1",
+             "rollout.prompts_per_step=8",
              "rollout.group_size=4", "eval.num_problems=16", "trainer.progress_bar=false", "trainer.run_name=ccg",
              "trainer.accelerator=cpu")
     t2 = time.time()

@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         return _new_assigner(overrides)
     if cmd == "report":
         if not overrides or "=" in overrides[0]:
-            print("gearlab: error: usage: gearlab report COMPARISON [compare.metric=...] [compare.target=0.5]", file=sys.stderr)
+            print(
+                "gearlab: error: usage: gearlab report COMPARISON [compare.metric=...] [compare.target=0.5]",
+                file=sys.stderr
+            )
             return 2
         overrides = [f"compare.name={overrides[0]}", *overrides[1:]]
     if cmd == "assigners" and overrides and "=" not in overrides[0]:
@@ -129,15 +132,23 @@ def main(argv: list[str] | None = None) -> int:
             return _describe_assigner(overrides[0], overrides[1:])
         overrides = overrides[1:]  # NAME only picks what to describe; the config is the rest
     if cmd == "compare":  # short forms: assigners=[...] seeds=[...] workers=N
-        short = {"assigners": "compare.assigners", "seeds": "compare.seeds", "workers": "compare.workers", "name": "compare.name"}
-        overrides = [f"{short[o.split('=', 1)[0]]}={o.split('=', 1)[1]}" if o.split("=", 1)[0] in short else o for o in overrides]
+        short = {
+            "assigners": "compare.assigners",
+            "seeds": "compare.seeds",
+            "workers": "compare.workers",
+            "name": "compare.name"
+        }
+        overrides = [
+            f"{short[o.split('=', 1)[0]]}={o.split('=', 1)[1]}" if o.split("=", 1)[0] in short else o for o in overrides
+        ]
     if cmd == "check-assigner":
         if not overrides or "=" in overrides[0]:
             print("gearlab: error: usage: gearlab check-assigner NAME [overrides]", file=sys.stderr)
             return 2
         overrides = [f"assigner={overrides[0]}", *overrides[1:]]
     commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners,
-                "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report, "replay": _replay,
+                "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report,
+                "replay": _replay,
                 "credit-eval": _credit_eval,
                 "export": _export}
     if cmd not in commands:
@@ -153,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "compare":
             from gearlab.commands.compare import compare
 
-            base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name=", "assigner.base="))]
+            base = [
+                o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name=", "assigner.base="))
+            ]
             res = compare(cfg, base)
             if res.get("interrupted"):  # 128 + the signal (130 Ctrl-C, 143 SIGTERM); a compare.max_minutes stop: 130
                 return 128 + res["signal"] if res.get("signal") else 130
@@ -253,7 +266,8 @@ def compare_summary(cfg) -> str:
     model = Path(cfg.trainer.output_dir) / name / f"{base}-s{seed}" / "final"
     return "\n".join([
         f"runs: {Path(cfg.trainer.output_dir) / name}/<method>-s<seed>/ (each with its trained model in final/)",
-        f"look at them: {mlflow_ui_command(tracking_uri(cfg), _experiment_id(tracking_uri(cfg), name=f'compare/{name}'))}"
+        "look at them: "
+        f"{mlflow_ui_command(tracking_uri(cfg), _experiment_id(tracking_uri(cfg), name=f'compare/{name}'))}"
         f"  (experiment compare/{name}; the comparison's report is the parent run's description)",
         f"see credit on one batch: {inspect_command(cfg, model)}",
         f"rebuild the report from MLflow alone: gearlab report {name}",
@@ -407,8 +421,10 @@ def _report(cfg, explicit_metric: bool = True) -> int:
 
     check_tracking_uri(cfg)
     try:
-        rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=cfg.compare.metric if explicit_metric and cfg.compare.metric != "auto" else None,
-                           baseline=cfg.compare.baseline, target=cfg.compare.target, effect=cfg.compare.effect, more_curves=list(cfg.compare.curves),
+        rep = build_report(tracking_uri(cfg), cfg.compare.name,
+                           metric=cfg.compare.metric if explicit_metric and cfg.compare.metric != "auto" else None,
+                           baseline=cfg.compare.baseline, target=cfg.compare.target, effect=cfg.compare.effect,
+                           more_curves=list(cfg.compare.curves),
                            out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
     except ValueError as e:
         from gearlab.config import ConfigError
@@ -437,7 +453,10 @@ def _credit_eval(cfg) -> int:
 
     rec = credit_eval(cfg)
     print(markdown(rec))
-    print(f"written: {cfg.credit_eval.out_dir}/credit_eval.json, credit_eval.md, credit_eval.png (MLflow run {rec.get('mlflow_run')})")
+    print(
+        f"written: {cfg.credit_eval.out_dir}/credit_eval.json, credit_eval.md, credit_eval.png (MLflow run "
+        f"{rec.get('mlflow_run')})"
+    )
     return 0
 
 

@@ -46,7 +46,8 @@ class TaskConfig:
 class VLLMConfig:
     """``rollout.engine=vllm`` (gearlab.rollout.vllm): one colocated vLLM engine per training process."""
 
-    weight_sync: str = "auto"  # auto (inplace on GPU, reload on CPU) | inplace | reload (rebuild from a saved checkpoint)
+    # auto (inplace on GPU, reload on CPU) | inplace | reload (rebuild from a saved checkpoint)
+    weight_sync: str = "auto"
     bucket_mb: float = 512  # inplace sync: parameters are sent in buckets of at most this many MB
     sleep: str = "auto"  # auto (on with CUDA) | on | off: free the engine's GPU memory during the update (sleep/wake)
     sleep_level: int = 1  # vLLM sleep level: 1 offloads weights to CPU and drops the KV cache; 2 drops both
@@ -63,7 +64,8 @@ class FastDecodeConfig:
     """``rollout.engine=fast`` (gearlab.rollout.fast): static-KV-cache decoding of the policy itself, each decode
     step one CUDA graph on GPUs; per-row seeds (row i of a call: seed + i)."""
 
-    cuda_graphs: str = "auto"  # auto (on with CUDA) | on | off: capture each decode step as a CUDA graph (on, CPU: its shapes, eagerly)
+    # auto (on with CUDA) | on | off: capture each decode step as a CUDA graph (on, CPU: its shapes, eagerly)
+    cuda_graphs: str = "auto"
     bucket: int = 64  # attention covers the filled cache rounded up to this many tokens (one graph per bucket)
     check_every: int = 8  # decode steps between the checks whether every row has stopped (a host sync each)
     # torch.compile each layer's pieces around attention before capturing the step (fused kernels: 4.1 vs 6.8 ms a
@@ -85,7 +87,8 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off: the sampled distribution is exactly softmax(logits / T)
     batch_size: int = 64  # sequences per generate() call
     # engine=hf: a static KV cache, compiled by transformers on GPUs (first call compiles for ~40 s, then decode
-    # steps are ~2.3× faster on an H100: experiments/bench/results/trl_vs_gearlab_h100.md); prompts are left-padded to a multiple of 64 so shapes recur
+    # steps are ~2.3× faster on an H100: experiments/bench/results/trl_vs_gearlab_h100.md); prompts are left-padded to a
+    # multiple of 64 so shapes recur
     static_cache: bool = False
     # multi-turn tasks only: max_new_tokens caps ONE policy turn
     max_turns: int = 0  # policy turns per episode; 0 = the task's default
@@ -122,7 +125,8 @@ class AlgorithmConfig:
     mini_batches: int = 1  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
     packed: bool = False  # padding-free forwards: a micro-batch's sequences concatenated, block-diagonal attention
-    micro_batch_tokens: int = 0  # > 0: dynamic micro-batches of at most this many real tokens (and micro_batch_size rows)
+    # > 0: dynamic micro-batches of at most this many real tokens (and micro_batch_size rows)
+    micro_batch_tokens: int = 0
 
 
 @dataclass
@@ -186,7 +190,8 @@ class TrainerConfig:
     # stop cleanly, with a checkpoint, at the first iteration boundary after this Unix time (0 = never): a job with
     # a wall-clock limit ends resumable, e.g. trainer.deadline=$(date -d '+50 min' +%s); compare.max_minutes sets it
     deadline: float = 0.0
-    eval_every: int = 0  # evaluation on the task's test split every N iterations (0 = only before the first and after the last)
+    # evaluation on the task's test split every N iterations (0 = only before the first and after the last)
+    eval_every: int = 0
     progress_bar: bool = True
     # intra-op CPU threads (torch.set_num_threads); 0 = torch's default (the machine's cores). Floating-point
     # reduction order depends on it, and small CPU runs are sensitive to that: fix it to get the same numbers on
@@ -317,7 +322,9 @@ def conf_dir() -> Path:
         return Path(env)
     here = Path(__file__).resolve().parent
     checkout = here.parent / "conf"
-    return checkout if (checkout / "experiment").is_dir() and (here.parent / "pyproject.toml").is_file() else here / "conf"
+    return checkout if (checkout / "experiment").is_dir() and (
+        here.parent / "pyproject.toml"
+    ).is_file() else here / "conf"
 
 
 def _merge(base: DictConfig, other: Any, where: str) -> DictConfig:
@@ -392,7 +399,9 @@ def load_config(overrides: list[str] | None = None) -> Config:
         try:
             node = OmegaConf.from_dotlist([item])
         except yaml.YAMLError as e:  # the value is read as YAML: an unclosed [ or a stray quote
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e})"
+            ) from None
         cfg = _merge(cfg, node, f"override {item!r}")
     validate(cfg)  # type: ignore[arg-type]
     return cfg  # type: ignore[return-value]
@@ -459,7 +468,8 @@ _CHOICES = {
 _POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens", "rollout.batch_size",
              "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.micro_batch_size",
              "signals.chunk_size", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_nonfinite",
-             "trainer.devices", "trainer.num_nodes", "rollout.vllm.bucket_mb", "rollout.vllm.tensor_parallel_size", "credit_eval.prompts")
+             "trainer.devices", "trainer.num_nodes", "rollout.vllm.bucket_mb", "rollout.vllm.tensor_parallel_size",
+             "credit_eval.prompts")
 
 
 def validate(cfg: Config) -> None:
@@ -480,13 +490,20 @@ def validate(cfg: Config) -> None:
     if alg.tis_cap != 0 and alg.tis_cap < 1:
         raise ConfigError(f"key 'algorithm.tis_cap': must be 0 (off) or >= 1, got {alg.tis_cap}")
     if alg.tis_cap and cfg.rollout.engine in ("hf", "auto"):
-        raise ConfigError("key 'algorithm.tis_cap': the correction needs the engine's log-probs (set rollout.engine=vllm or fast)")
+        raise ConfigError(
+            "key 'algorithm.tis_cap': the correction needs the engine's log-probs (set rollout.engine=vllm or fast)"
+        )
     if alg.tis_cap:  # the older spelling of token truncation
         if alg.engine_is not in ("none", "token_truncate"):
-            raise ConfigError(f"key 'algorithm.tis_cap': it means engine_is=token_truncate, but algorithm.engine_is is {alg.engine_is!r}")
+            raise ConfigError(
+                "key 'algorithm.tis_cap': it means engine_is=token_truncate, but algorithm.engine_is is "
+                f"{alg.engine_is!r}"
+            )
         alg.engine_is, alg.engine_is_cap = "token_truncate", float(alg.tis_cap)
     if alg.engine_is != "none" and cfg.rollout.engine in ("hf", "auto"):
-        raise ConfigError("key 'algorithm.engine_is': the correction needs the engine's log-probs (set rollout.engine=vllm or fast)")
+        raise ConfigError(
+            "key 'algorithm.engine_is': the correction needs the engine's log-probs (set rollout.engine=vllm or fast)"
+        )
     for key in ("bucket", "check_every"):
         if getattr(cfg.rollout.fast, key) < 1:
             raise ConfigError(f"key 'rollout.fast.{key}': must be >= 1, got {getattr(cfg.rollout.fast, key)}")
@@ -495,16 +512,26 @@ def validate(cfg: Config) -> None:
     if not 0 < alg.engine_is_low <= 1:
         raise ConfigError(f"key 'algorithm.engine_is_low': must be in (0, 1], got {alg.engine_is_low}")
     if not 0 < cfg.rollout.vllm.gpu_memory_utilization <= 1:
-        raise ConfigError(f"key 'rollout.vllm.gpu_memory_utilization': must be in (0, 1], got {cfg.rollout.vllm.gpu_memory_utilization}")
+        raise ConfigError(
+            "key 'rollout.vllm.gpu_memory_utilization': must be in (0, 1], got "
+            f"{cfg.rollout.vllm.gpu_memory_utilization}"
+        )
     if cfg.rollout.vllm.sleep_level not in (1, 2):
         raise ConfigError(f"key 'rollout.vllm.sleep_level': must be 1 or 2, got {cfg.rollout.vllm.sleep_level}")
     if cfg.trainer.no_signal_patience < 0:
-        raise ConfigError(f"key 'trainer.no_signal_patience': must be >= 0 (0 = no louder warning), got {cfg.trainer.no_signal_patience}")
+        raise ConfigError(
+            "key 'trainer.no_signal_patience': must be >= 0 (0 = no louder warning), got "
+            f"{cfg.trainer.no_signal_patience}"
+        )
     if cfg.task.max_prompt_tokens < 0:
-        raise ConfigError(f"key 'task.max_prompt_tokens': must be >= 0 (0 = the model's limit only), got {cfg.task.max_prompt_tokens}")
+        raise ConfigError(
+            f"key 'task.max_prompt_tokens': must be >= 0 (0 = the model's limit only), got {cfg.task.max_prompt_tokens}"
+        )
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if n % cfg.algorithm.mini_batches:
-        raise ConfigError(f"key 'algorithm.mini_batches': {cfg.algorithm.mini_batches} does not divide the {n} sequences of a step")
+        raise ConfigError(
+            f"key 'algorithm.mini_batches': {cfg.algorithm.mini_batches} does not divide the {n} sequences of a step"
+        )
 
 
 def check_output_dir(cfg: Config) -> None:

@@ -127,7 +127,9 @@ def format_sections(sections: Sequence[str], width: int = 120) -> str:
         lines = textwrap.wrap(f"{s}: {section_doc(s)}", width, subsequent_indent="  ")
         for r in rows:
             left = f"  {r.key:{kw}s}  {r.type:{tw}s} = {r.default!r:{dw}s}  "
-            text = textwrap.wrap(r.doc, max(40, width - len(left)), break_on_hyphens=False, break_long_words=False) or [""]
+            text = textwrap.wrap(
+                r.doc, max(40, width - len(left)), break_on_hyphens=False, break_long_words=False
+            ) or [""]
             lines.append(left + text[0])
             lines.extend(" " * len(left) + t for t in text[1:])
         blocks.append("\n".join(line.rstrip() for line in lines))

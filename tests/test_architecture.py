@@ -17,7 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # bottom to top: a package may import only packages listed before it (and itself)
-LAYERS = ["cpu_kernels", "plugins", "errors", "envs", "parallel", "core", "config", "config_help", "tasks", "signals", "credit", "rollout", "models", "trainer",
+LAYERS = ["cpu_kernels", "plugins", "errors", "envs", "parallel", "core", "config", "config_help", "tasks", "signals",
+          "credit", "rollout", "models", "trainer",
           "commands", "cli"]
 SHIMS = {"grpo", "batch", "logprobs"}  # the public API's stable top-level paths, re-exporting gearlab.core
 
@@ -123,7 +124,9 @@ def test_packages_import_only_the_layers_below():
 def test_no_module_imports_its_plugins():
     graph = _graph()
     # concrete tasks and signals are found by the registries' loaders, never imported by the interfaces
-    tasks = {m for m in graph if m.startswith("gearlab.tasks.") and m not in ("gearlab.tasks.base", "gearlab.tasks.registry")}
+    tasks = {
+        m for m in graph if m.startswith("gearlab.tasks.") and m not in ("gearlab.tasks.base", "gearlab.tasks.registry")
+    }
     assert not graph["gearlab.tasks.base"] & tasks and not graph["gearlab.tasks.registry"] & tasks
     assert not graph["gearlab.tasks"] & tasks
     signal_modules = {"gearlab.signals.saliency", "gearlab.signals.spans"}
@@ -186,7 +189,9 @@ def test_nothing_points_outside_the_repository():
     hits = []
     for f in files:
         p = ROOT / f
-        if p.suffix in {".py", ".md", ".yaml", ".sh", ".toml", ".txt"} and p.is_file() and f != "tests/test_architecture.py":
+        if p.suffix in {
+            ".py", ".md", ".yaml", ".sh", ".toml", ".txt"
+        } and p.is_file() and f != "tests/test_architecture.py":
             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
                 if pattern.search(line):
                     hits.append(f"{f}:{i}: {line.strip()[:100]}")

@@ -28,7 +28,9 @@ from gearlab.trainer.tracking import check_tracking_uri
 LIMIT_MSG = "over the limit of 464 tokens (the model's context 512 minus rollout.max_new_tokens 48)"
 
 
-def _cli(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180) -> tuple[int, list[str], float, int]:
+def _cli(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> tuple[int, list[str], float, int]:
     """Run ``python -m gearlab.cli ARGS``: (exit code, the non-empty lines of stderr, seconds, peak memory in MB)."""
     err = cwd / "stderr.txt"
     start = time.monotonic()
@@ -48,7 +50,9 @@ def _cli(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: floa
     return proc.returncode, lines, elapsed, usage.ru_maxrss // 1024
 
 
-def _train(tmp_path: Path, model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[int, list[str], float, int]:
+def _train(
+    tmp_path: Path, model_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[int, list[str], float, int]:
     return _cli(tmp_path, "train", f"model.name_or_path={model_dir}", f"trainer.output_dir={tmp_path / 'out'}",
                 "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                 "algorithm.micro_batch_size=4", "eval.num_problems=0", "trainer.progress_bar=false", *extra, env=env)
@@ -146,7 +150,8 @@ def test_output_dir_without_write_permission(tmp_path, tiny_model_dir):
     assert not any(locked.iterdir())
 
 
-# -- data files ---------------------------------------------------------------------------------------------------------
+# -- data files
+# ---------------------------------------------------------------------------------------------------------
 
 def test_missing_fncall_data_file(tmp_path, tiny_model_dir):
     rc, lines, _, _ = _train(tmp_path, tiny_model_dir, "task=fncall", "task.options.path=missing.jsonl")
@@ -172,7 +177,8 @@ def test_invalid_json_line_names_file_and_line(tmp_path, tiny_model_dir):
     _one_line_exit_2(rc, lines, f"{data}:2: not valid JSON")
 
 
-# -- the MLflow tracking server -----------------------------------------------------------------------------------------
+# -- the MLflow tracking server
+# -----------------------------------------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:

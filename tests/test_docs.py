@@ -6,7 +6,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
-# [text](target) and [text](target "title"); images too. Fenced code blocks are skipped (shell, Python, tables of output).
+# [text](target) and [text](target "title"); images too. Fenced code blocks are skipped (shell, Python, tables of
+# output).
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
@@ -35,7 +36,9 @@ def _relative(target: str) -> str | None:
 
 def test_readme_is_short():
     n = len((ROOT / "README.md").read_text().splitlines())
-    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text into docs/"
+    assert n <= README_MAX_LINES, (
+        f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text into docs/"
+    )
 
 
 def test_every_relative_link_resolves():
@@ -52,7 +55,9 @@ def test_every_relative_link_resolves():
 
 def test_the_link_checker_sees_links():
     """Guards the checker itself: a broken link is found, external links and anchors are not files, code is skipped."""
-    text = "[a](docs/x.md#y) ![b](img.png) [c](https://e.org/z.md) [d](#top) `[e](not/a/link.md)`\n```\n[f](g.md)\n```\n"
+    text = (
+        "[a](docs/x.md#y) ![b](img.png) [c](https://e.org/z.md) [d](#top) `[e](not/a/link.md)`\n```\n[f](g.md)\n```\n"
+    )
     assert [t for _, t in _links(text)] == ["docs/x.md#y", "img.png", "https://e.org/z.md", "#top"]
     assert [_relative(t) for _, t in _links(text)] == ["docs/x.md", "img.png", None, None]
 

@@ -27,7 +27,9 @@ def test_preset_starts(name):
 
 
 def test_qwen3_recipes_shard_over_their_nodes():
-    for name, nodes in (("qwen3_4b_math", 1), ("qwen3_4b_math_2node", 2), ("qwen3_8b_math", 1), ("qwen3_8b_math_2node", 2)):
+    for name, nodes in (
+        ("qwen3_4b_math", 1), ("qwen3_4b_math_2node", 2), ("qwen3_8b_math", 1), ("qwen3_8b_math_2node", 2)
+    ):
         cfg = load_config([f"experiment={name}"])
         assert distributed.strategy_name(cfg) == "fsdp2" and cfg.trainer.num_nodes == nodes and cfg.trainer.devices == 8
         assert cfg.model.dtype == "float32" and cfg.trainer.precision == "bf16-mixed"  # fp32 master, bf16 compute

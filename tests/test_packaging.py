@@ -66,7 +66,8 @@ def test_installed_wheel_works_from_any_directory(wheel, tmp_path):
         "from gearlab import credit\n"
         "cfg = load_config(['experiment=embedded', 'assigner=gear', 'task=arith_hard'])\n"
         "print(json.dumps({'file': gearlab.__file__, 'conf': str(conf_dir()), 'assigners': credit.available(),\n"
-        "  'gear_opts': dict(cfg.assigner.options), 'seeds': list(cfg.compare.seeds), 'q_on': credit.build('gear').q_on,\n"
+        "  'gear_opts': dict(cfg.assigner.options), 'seeds': list(cfg.compare.seeds), 'q_on': "
+        "credit.build('gear').q_on,\n"
         "  'bare_assigners': importlib.util.find_spec('assigners') is not None}))\n"
     )
     out = subprocess.run([str(py), "-c", code], cwd=elsewhere, capture_output=True, text=True,

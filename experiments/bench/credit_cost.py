@@ -112,8 +112,16 @@ def cpu_setup(args):
     task = get_task("arith")
     problems = task.problems("test", 16, 0)
     engine = HFRolloutEngine(tok, task)
-    rb = engine.generate(model, problems, group_size=8, sampling=SamplingParams(max_new_tokens=48), seed=0, with_teacher="answer")
-    return model, tok, rb, dict(micro=16, chunk=256, repeats=3, pairs=5, desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32")
+    rb = engine.generate(
+        model, problems, group_size=8, sampling=SamplingParams(max_new_tokens=48), seed=0, with_teacher="answer"
+    )
+    return model, tok, rb, dict(
+        micro=16,
+        chunk=256,
+        repeats=3,
+        pairs=5,
+        desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32"
+    )
 
 
 def gpu_setup(args):
@@ -139,7 +147,8 @@ def gpu_setup(args):
     resp = torch.randint(5, small_v, (B, T), generator=g)
     answer = tok("\nAnswer: 42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     resp[:, -len(answer):] = torch.tensor(answer)
-    rb = RolloutBatch(prompt_ids=torch.randint(5, small_v, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
+    rb = RolloutBatch(prompt_ids=torch.randint(5, small_v, (B, P), generator=g), prompt_mask=torch.ones(B, P,
+                      dtype=torch.long),
                       response_ids=resp, response_mask=torch.ones(B, T, dtype=torch.bool),
                       group_ids=torch.arange(B) // 4, rewards=torch.tensor([1.0, 0.0] * (B // 2)),
                       teacher_prompt_ids=torch.randint(5, small_v, (B, P + 32), generator=g),
@@ -148,7 +157,8 @@ def gpu_setup(args):
     n = sum(p.numel() for p in model.parameters())
     return model, tok, rb, dict(micro=1, chunk=256, repeats=2, pairs=5,
                                 desc=f"Qwen3-0.6B shape ({n / 1e6:.0f}M params, vocab 151,936), random bf16 weights, "
-                                     f"{B} sequences × (256 prompt + {T} response) tokens, micro-batch 1, gradient checkpointing")
+                                     f"{B} sequences × (256 prompt + {T} response) tokens, micro-batch 1, gradient "
+                                     "checkpointing")
 
 
 def main() -> None:
@@ -158,7 +168,9 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--response-len", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--model-dir", default=None, help="cpu preset: the warm-started model (default runs/embedded/tiny-arith)")
+    ap.add_argument(
+        "--model-dir", default=None, help="cpu preset: the warm-started model (default runs/embedded/tiny-arith)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model, tok, rb, p = (cpu_setup if args.preset == "cpu" else gpu_setup)(args)
@@ -166,7 +178,9 @@ def main() -> None:
     temperature = 1.0
     adv = group_advantages(rb.rewards, rb.group_ids)
     tadv = adv[:, None] * rb.response_mask.float()
-    provider = SignalProvider(model, temperature=temperature, chunk_size=p["chunk"], micro_batch_size=p["micro"], tokenizer=tok)
+    provider = SignalProvider(
+        model, temperature=temperature, chunk_size=p["chunk"], micro_batch_size=p["micro"], tokenizer=tok
+    )
     cuda = dev.type == "cuda"
 
     def peak_of(fn) -> float | None:
@@ -210,7 +224,9 @@ def main() -> None:
             continue
         a.setup(seed=0, total_steps=100, task=None)
         opts = {"seed": 0, **a.signal_options()}
-        sig_s, (_, sig) = timed(lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts), dev, p["repeats"])
+        sig_s, (_, sig) = timed(
+            lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts), dev, p["repeats"]
+        )
         asg_s, _ = timed(lambda: a.assign(rb, adv, sig), dev, p["repeats"])
         peak = peak_of(lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts))
         extra_off = sig_s + asg_s - old_s
@@ -233,7 +249,9 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     result = {
         "preset": args.preset, "workload": p["desc"],
-        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": torch.cuda.get_device_name() if cuda else (
+            f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+        ),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "grpo_update_s": round(upd_s, 4), "grpo_oldlogprob_pass_s": round(old_s, 4),
         "forward_peak_gib": None if fwd_peak is None else round(fwd_peak, 3), "rows": rows,

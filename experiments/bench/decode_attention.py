@@ -90,7 +90,9 @@ def main() -> None:
         qg = q.reshape(B, HKV, HQ // HKV, D)
 
         def grouped(i):
-            return F.scaled_dot_product_attention(qg, ks[i][:, :, :L], vs[i][:, :, :L], attn_mask=mask).reshape(B, HQ, 1, D)
+            return F.scaled_dot_product_attention(
+                qg, ks[i][:, :, :L], vs[i][:, :, :L], attn_mask=mask
+            ).reshape(B, HQ, 1, D)
 
         def sweep(f):
             return lambda: [f(i) for i in range(LAYERS)]
@@ -111,7 +113,9 @@ def main() -> None:
                 return visible[b, kv_idx]
             try:
                 bm = create_block_mask(mask_mod, B, None, 1, L, device=dev)
-                variants["flex_decode"] = (lambda i: flex(q, ks[i][:, :, :L], vs[i][:, :, :L], block_mask=bm, enable_gqa=True), None)
+                variants["flex_decode"] = (
+                    lambda i: flex(q, ks[i][:, :, :L], vs[i][:, :, :L], block_mask=bm, enable_gqa=True), None
+                )
             except Exception as e:  # noqa: BLE001
                 row["flex_decode_error"] = f"{type(e).__name__}: {e}"[:300]
         for name, (f, backend) in variants.items():

@@ -87,7 +87,9 @@ def main() -> None:
         print(json.dumps({v: res[v]}), flush=True)
     base = res.get("hf", {}).get("s_per_call")
     if base:
-        res["speedup_over_hf"] = {v: round(base / res[v]["s_per_call"], 2) for v in VARIANTS if "s_per_call" in res.get(v, {})}
+        res["speedup_over_hf"] = {
+            v: round(base / res[v]["s_per_call"], 2) for v in VARIANTS if "s_per_call" in res.get(v, {})
+        }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

@@ -49,11 +49,15 @@ def main() -> None:
     from gearlab.trainer.module import GRPOModule
 
     gpu = torch.cuda.is_available()
-    cfg = load_config([f"trainer.devices={a.devices}", f"trainer.strategy={a.strategy}", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
+    cfg = load_config([f"trainer.devices={a.devices}", f"trainer.strategy={a.strategy}",
+                       f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
                        f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", "model.dtype=float32",
-                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", "rollout.engine=hf", f"rollout.max_new_tokens={a.new}",
-                       "rollout.batch_size=128", "algorithm.micro_batch_size=8", "trainer.activation_checkpointing=true",
-                       "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={a.iters}", f"assigner={a.assigner}"])
+                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", "rollout.engine=hf",
+                       f"rollout.max_new_tokens={a.new}",
+                       "rollout.batch_size=128", "algorithm.micro_batch_size=8",
+                       "trainer.activation_checkpointing=true",
+                       "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={a.iters}",
+                       f"assigner={a.assigner}"])
     tok = build_tokenizer()
     torch.manual_seed(0)
     mcfg = Qwen3Config(vocab_size=V, max_position_embeddings=4096, rope_theta=1e6, pad_token_id=tok.pad_token_id,
@@ -64,7 +68,9 @@ def main() -> None:
     task = bench_task()
     times: list[dict] = []
 
-    module = timed_module(GRPOModule, times)(cfg, model, tok, task, build(cfg.assigner.name, dict(cfg.assigner.options)))
+    module = timed_module(GRPOModule, times)(
+        cfg, model, tok, task, build(cfg.assigner.name, dict(cfg.assigner.options))
+    )
     dm = PromptDataModule(task, prompts_per_step=PROMPTS, num_steps=a.iters, seed=0, pool_size=PROMPTS * a.iters)
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=a.devices, strategy=distributed.make_strategy(cfg),
                         precision=cfg.trainer.precision, max_epochs=1, logger=False, enable_checkpointing=False,
@@ -76,7 +82,8 @@ def main() -> None:
         later = times[1:] or times
         med = lambda k: round(statistics.median([t[k] for t in later]), 2)  # noqa: E731
         tokens = PROMPTS * G * (64 + a.new)
-        res = {"shape": a.shape, "assigner": a.assigner, "strategy": a.strategy, "devices": a.devices, "sequences": PROMPTS * G,
+        res = {"shape": a.shape, "assigner": a.assigner, "strategy": a.strategy, "devices": a.devices,
+               "sequences": PROMPTS * G,
                "new_tokens": a.new, "s_per_iter_all": [round(t, 2) for t in tot],
                "s_per_iter": round(statistics.median(tot[1:] or tot), 2), "rollout_s": med("time_rollout_s"),
                "signals_credit_s": med("time_signals_credit_s"), "update_s": med("time_update_s"),

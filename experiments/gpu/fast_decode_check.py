@@ -52,7 +52,8 @@ def greedy_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Agreement of two greedy [N, T] token tensors over their common width: rows identical, mean agreeing prefix."""
     w = min(a.shape[1], b.shape[1])
     same = (a[:, :w] == b[:, :w]).long().cumprod(1).sum(1)
-    return {"rows_identical": int((same == w).sum()), "rows": len(a), "mean_agreeing_prefix": round(float(same.float().mean()), 1),
+    return {"rows_identical": int((same == w).sum()), "rows": len(a),
+            "mean_agreeing_prefix": round(float(same.float().mean()), 1),
             "tokens": w}
 
 
@@ -76,7 +77,8 @@ def check_small(res: dict) -> None:
     fast = FastDecoder(tok, batch_size=128)
     out, omask, _ = fast.sample(model, ids, mask, greedy, seed=0)
     res["greedy_fp32"] = {"pass": bool(torch.equal(out, ref) and torch.equal(omask, ref_mask)),
-                          "rows_equal": int((out == ref).all(1).sum()) if out.shape == ref.shape else 0, "rows": len(ids),
+                          "rows_equal": int((out == ref).all(1).sum()) if out.shape == ref.shape else 0,
+                          "rows": len(ids),
                           "graphs_captured": fast.stats()["fast/graphs_captured"]}
     sp = SamplingParams(max_new_tokens=48)
     a = fast.sample(model, ids, mask, sp, seed=5)
@@ -97,7 +99,9 @@ def check_small(res: dict) -> None:
     with torch.no_grad():
         ref_lp = trainer_logprobs(model, ids, mask, c[0], c[1]).float().cpu()
     diff = float((ref_lp - c[2])[c[1]].abs().max())
-    res["after_step"] = {"pass": diff < 1e-4, "max_lp_diff": diff, "graphs_captured": fast.stats()["fast/graphs_captured"]}
+    res["after_step"] = {
+        "pass": diff < 1e-4, "max_lp_diff": diff, "graphs_captured": fast.stats()["fast/graphs_captured"]
+    }
 
 
 def check_06b(res: dict) -> None:

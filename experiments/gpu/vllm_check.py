@@ -69,7 +69,8 @@ def part_tiny() -> dict:
 
     tok = build_tokenizer()
     d = WORK / "gearlab_vllm_check_tiny"
-    build_tiny_model(tok, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512,
+    build_tiny_model(tok, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+                     intermediate_size=512,
                      seed=0).save_pretrained(d)
     tok.save_pretrained(d)
     from transformers import AutoModelForCausalLM
@@ -162,7 +163,9 @@ def part_big() -> dict:
     out["steps"] = steps
     out["sync_path"] = gen.path
     out["pass"] = bool(gen.path == "inplace" and all(
-        s["vs_new_weights"]["engine_lp_diff_abs"] < 0.5 * s["vs_weights_before_step"]["engine_lp_diff_abs"] for s in steps))
+        s["vs_new_weights"]["engine_lp_diff_abs"] < 0.5 * s[
+            "vs_weights_before_step"
+        ]["engine_lp_diff_abs"] for s in steps))
     return out
 
 
@@ -180,13 +183,17 @@ def main() -> None:
         return
     import vllm
 
-    res: dict = {"device": torch.cuda.get_device_name(0) if CUDA else "cpu", "torch": torch.__version__, "vllm": vllm.__version__}
+    res: dict = {
+        "device": torch.cuda.get_device_name(0) if CUDA else "cpu", "torch": torch.__version__, "vllm": vllm.__version__
+    }
     for p in a.parts.split(","):
         part = WORK / f"vllm_check_{p}.json"
         part.unlink(missing_ok=True)
         t = time.perf_counter()
         rc = subprocess.run([sys.executable, __file__, "--one", p, "--out", str(part)]).returncode
-        res[p] = json.loads(part.read_text()) if rc == 0 and part.exists() else {"pass": False, "error": f"exit code {rc}"}
+        res[p] = json.loads(part.read_text()) if rc == 0 and part.exists() else {
+            "pass": False, "error": f"exit code {rc}"
+        }
         res[p]["wall_s"] = round(time.perf_counter() - t, 1)
         print(json.dumps({p: res[p]}), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

@@ -165,7 +165,10 @@ def _compare_locked(cfg: Config, base_overrides: list[str], names: list[str], st
     if model_path in WARMSTARTED:
         d = embedded_dir(cfg, model_path)
         if not (d / "config.json").is_file():
-            print(f"[compare] warm-starting the embedded model into {d}", flush=True)
+            from gearlab.models.shipped import shipped_matches
+
+            how = "copying the shipped warm start" if shipped_matches(cfg, model_path) else "warm-starting the embedded model"
+            print(f"[compare] {how} into {d}", flush=True)
             run_warmstart(cfg)
         model_path = str(d.resolve())
     from gearlab.models.checkpoints import weights_digest

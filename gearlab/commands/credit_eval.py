@@ -80,7 +80,9 @@ def score_batch(rb, names: list[str], res: dict[str, Any], error: torch.Tensor) 
     return out
 
 
-def reasoning_error_scores(rb, names: list[str], res: dict[str, Any], error: torch.Tensor, tokenizer: Any) -> dict[str, Any]:
+def reasoning_error_scores(
+    rb, names: list[str], res: dict[str, Any], error: torch.Tensor, tokenizer: Any
+) -> dict[str, Any]:
     """``score_batch`` restricted to the rows whose located error starts before the final-answer span, with their
     counts: {"n_located": ..., "n_located_informative": ..., "assigners": ..., "signals": ...}."""
     reasoning, _ = answer_positions(tokenizer, rb.response_ids.cpu(), rb.response_mask.cpu())
@@ -172,22 +174,27 @@ def markdown(record: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|")
     lines = [head]
     for name, s in record["assigners"].items():
-        lines.append(f"| {name} | {_num(s.get('auroc'))} | {_num(s.get('blame_ratio'))} | {_num(s.get('prefix_share'))} | "
+        lines.append(f"| {name} | {_num(s.get('auroc'))} | {_num(s.get('blame_ratio'))} | "
+                     f"{_num(s.get('prefix_share'))} | "
                      f"{_num(s.get('onset_precision'))} | {_num(s.get('onset_recall'))} | {s.get('n', 0)} |")
     for name, s in record["signals"].items():
         lines.append(f"| signal: {name} | {_num(s.get('auroc'))} | | | | | {s.get('n', 0)} |")
     early = record.get("reasoning_errors")
     if early:
         lines += ["", f"Errors before the final-answer span only ({early['n_located_informative']} scored):", "",
-                  "| method | AUROC | blame ratio | prefix share | onset P | onset R | n |", "|---|---|---|---|---|---|---|"]
+                  "| method | AUROC | blame ratio | prefix share | onset P | onset R | n |",
+                  "|---|---|---|---|---|---|---|"]
         for name, s in early["assigners"].items():
-            lines.append(f"| {name} | {_num(s.get('auroc'))} | {_num(s.get('blame_ratio'))} | {_num(s.get('prefix_share'))} | "
+            lines.append(f"| {name} | {_num(s.get('auroc'))} | {_num(s.get('blame_ratio'))} | "
+                         f"{_num(s.get('prefix_share'))} | "
                          f"{_num(s.get('onset_precision'))} | {_num(s.get('onset_recall'))} | {s.get('n', 0)} |")
         for name, s in early["signals"].items():
             lines.append(f"| signal: {name} | {_num(s.get('auroc'))} | | | | | {s.get('n', 0)} |")
     clip = {n: m["gear_clip_frac"] for n, m in (record.get("assigner_metrics") or {}).items() if "gear_clip_frac" in m}
     if clip:
-        lines.append("\nSegment weights at a bound (`gear_clip_frac`): " + ", ".join(f"{n} {v:.3f}" for n, v in clip.items()))
+        lines.append(
+            "\nSegment weights at a bound (`gear_clip_frac`): " + ", ".join(f"{n} {v:.3f}" for n, v in clip.items())
+        )
     return "\n".join(lines)
 
 
@@ -202,7 +209,9 @@ def plot(record: dict[str, Any], path: Path) -> None:
         return float("nan") if x is None else float(x)
 
     names = list(record["assigners"]) + [f"signal: {s}" for s in record["signals"]]
-    au = [val(s.get("auroc")) for s in record["assigners"].values()] + [val(s.get("auroc")) for s in record["signals"].values()]
+    au = [
+        val(s.get("auroc")) for s in record["assigners"].values()
+    ] + [val(s.get("auroc")) for s in record["signals"].values()]
     br = [val(s.get("blame_ratio")) for s in record["assigners"].values()]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.35 * len(names) + 1.8))
     a1.barh(range(len(names)), [0 if math.isnan(v) else v - 0.5 for v in au], left=0.5,
@@ -257,7 +266,8 @@ def _log(cfg: Config, record: dict[str, Any], out: Path, run_id: str | None) -> 
     if own:
         exp_id = ensure_experiment(tracking_uri(cfg), "credit-eval", client)
         run_id = client.create_run(exp_id, run_name=f"{cfg.task.name}", tags={
-            "model": str(record["model"]), "task": cfg.task.name, "assigners": ",".join(record["assigners"])}).info.run_id
+            "model": str(record["model"]), "task": cfg.task.name,
+            "assigners": ",".join(record["assigners"])}).info.run_id
     now = int(time.time() * 1000)
     items = [Metric(k, v, now, 0) for k, v in metrics_of(record).items()]
     for s in range(0, len(items), 1000):

@@ -19,7 +19,9 @@ def evaluate(cfg: Config) -> dict[str, Any]:
     check_prompt_lengths(cfg, task, tok, model.config)
     if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"):
         model = model.cuda()
-    split = "test (held out)" if getattr(task, "held_out", True) else "train (the task has no separate test split: not held out)"
+    split = "test (held out)" if getattr(
+        task, "held_out", True
+    ) else "train (the task has no separate test split: not held out)"
     return {"model": name, "task": cfg.task.name, "problems_from": split, **evaluate_model(model, tok, task, cfg)}
 
 

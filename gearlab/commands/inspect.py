@@ -38,7 +38,8 @@ from gearlab.tasks.registry import task_from_config
 from gearlab.trainer.teacher import needs_teacher
 
 TRACE_SIGNALS = {Signal.TEACHER_KL: "kl", Signal.ENTROPY: "entropy", Signal.TEACHER_LOGPROBS: "teacher_logprobs",
-                 Signal.INPUT_GRAD_SALIENCY: "input_grad_saliency", Signal.PERTURBATION_SALIENCY: "perturbation_saliency"}
+                 Signal.INPUT_GRAD_SALIENCY: "input_grad_saliency",
+                 Signal.PERTURBATION_SALIENCY: "perturbation_saliency"}
 
 
 def applicable_methods(task: Any, names: list[str] | None = None, key: str = "inspect.assigners") -> list[str]:
@@ -52,7 +53,8 @@ def applicable_methods(task: Any, names: list[str] | None = None, key: str = "in
     return [n for n in credit.available() if not credit.get(n).requires_turns or getattr(task, "multi_turn", False)]
 
 
-def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engine: HFRolloutEngine, problems, group_size: int,
+def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engine: HFRolloutEngine, problems,
+                  group_size: int,
                   temperature: float, chunk_size: int, micro_batch_size: int, seed: int, task) -> dict[str, Any]:
     """Credit of every assigner on the same batch (shared signal computations cached per teacher context)."""
     seq_adv = group_advantages(rb.rewards, rb.group_ids)
@@ -173,7 +175,9 @@ def inspect_command(cfg: Config, model_path: str | Path) -> str:
     return "gearlab inspect " + " ".join(shlex.quote(w) for w in words)
 
 
-def _records(rb: RolloutBatch, res: dict[str, Any], tok, names: list[str], model_name: str, cfg: Config) -> dict[str, Any]:
+def _records(
+    rb: RolloutBatch, res: dict[str, Any], tok, names: list[str], model_name: str, cfg: Config
+) -> dict[str, Any]:
     """The JSON record: every sample in batch order (a data file), plus the display order of the pictures."""
     samples = []
     for i in range(rb.batch_size):
@@ -271,7 +275,8 @@ def _html(rec: dict[str, Any], shared_scale: bool = False) -> str:
     order = display_order(samples)
     scales = credit_scales(samples, names, shared_scale)
     parts = ["<html><head><meta charset='utf-8'><title>gearlab credit</title><style>"
-             "body{font-family:sans-serif;margin:20px} td{padding:2px 6px;vertical-align:top} .tok{font-family:monospace;"
+             "body{font-family:sans-serif;margin:20px} td{padding:2px 6px;vertical-align:top} "
+             ".tok{font-family:monospace;"
              "white-space:pre;padding:1px 0;border-bottom:3px solid transparent} .seg{border-bottom-color:#1f5fbf}"
              " summary{font-size:1.1em;cursor:pointer;margin:16px 0}</style></head><body>",
              f"<h2>Credit per token — model {html.escape(rec['model'])}, task {html.escape(rec['task'])}</h2>",

@@ -67,7 +67,9 @@ def _spearman(a: Tensor, b: Tensor) -> float:
     return float(spearmanr(a.double().numpy(), b.double().numpy()).statistic)
 
 
-def credit_stats(rb: RolloutBatch, seq_adv: Tensor, credit_by: dict[str, Tensor], segments: dict[str, Tensor]) -> dict[str, float]:
+def credit_stats(
+    rb: RolloutBatch, seq_adv: Tensor, credit_by: dict[str, Tensor], segments: dict[str, Tensor]
+) -> dict[str, float]:
     """The replay metrics (see the module docstring) for credit maps [B, T] of several methods on one batch."""
     m = rb.response_mask
     active = m & (seq_adv != 0)[:, None]
@@ -81,7 +83,8 @@ def credit_stats(rb: RolloutBatch, seq_adv: Tensor, credit_by: dict[str, Tensor]
     if "grpo" in credit_by:
         for a in names:
             if a != "grpo":
-                diff = (torch.sign(credit_by[a]) * torch.sign(credit_by["grpo"]) < 0) & m  # opposite signs; 0 is not a flip
+                # opposite signs; 0 is not a flip
+                diff = (torch.sign(credit_by[a]) * torch.sign(credit_by["grpo"]) < 0) & m
                 out[f"sign_diff_vs_grpo/{a}"] = float(diff.sum() / m.sum().clamp(min=1))
     for a in names:
         v = credit_by[a][m].abs().sort(descending=True).values
@@ -109,7 +112,9 @@ def cached_rollouts(cfg: Config, model: Any, engine: Any, task: Any, path: Path 
     was_training = model.training
     model.eval()
     try:
-        rb = engine.generate(model, problems, group_size=cfg.rollout.group_size, sampling=sampling, seed=cfg.trainer.seed)
+        rb = engine.generate(
+            model, problems, group_size=cfg.rollout.group_size, sampling=sampling, seed=cfg.trainer.seed
+        )
     finally:
         model.train(was_training)
     info = {"model": model_name, "task": cfg.task.name, "group_size": cfg.rollout.group_size, "seed": cfg.trainer.seed,
@@ -148,7 +153,9 @@ def replay(cfg: Config) -> dict[str, Any]:
         if v == v:  # skip NaN (undefined for this batch)
             client.log_metric(run.info.run_id, sanitize_metric_key(k), v)
     out_json = path.with_suffix(".replay.json")
-    out_json.write_text(json.dumps({"rollouts": str(path), "info": info, "assigners": names, "metrics": stats}, indent=2))
+    out_json.write_text(
+        json.dumps({"rollouts": str(path), "info": info, "assigners": names, "metrics": stats}, indent=2)
+    )
     client.log_artifact(run.info.run_id, str(out_json))
     client.set_terminated(run.info.run_id)
     return {"rollouts": str(path), "sequences": rb.batch_size, "assigners": ", ".join(names),

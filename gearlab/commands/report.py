@@ -93,7 +93,9 @@ def load_comparison(tracking: str, comparison: str) -> tuple[mlflow.MlflowClient
     client = mlflow.MlflowClient(tracking)
     exp = client.get_experiment_by_name(f"compare/{comparison}")
     if exp is None:
-        raise ValueError(f"no comparison named {comparison!r} at {tracking} (no MLflow experiment 'compare/{comparison}')")
+        raise ValueError(
+            f"no comparison named {comparison!r} at {tracking} (no MLflow experiment 'compare/{comparison}')"
+        )
     runs = client.search_runs([exp.experiment_id], f"tags.comparison_id = '{comparison}'", max_results=5000)
     parent = next((r for r in runs if r.data.tags.get("gearlab.role") == "parent"), None)
     children = [r for r in runs if "assigner" in r.data.tags and r.data.tags.get("gearlab.role") != "parent"]
@@ -118,7 +120,8 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
         metric, metric_source = tag_metric, "parent tag primary_metric"
     else:
         metric, metric_source = DEFAULT_METRIC, "default"
-    metric = sanitize_metric_key(metric)  # the name on record: eval/avg@4 (typed, or an older parent's tag) is eval/avg_at_4
+    # the name on record: eval/avg@4 (typed, or an older parent's tag) is eval/avg_at_4
+    metric = sanitize_metric_key(metric)
     if parent is not None:
         baseline = parent.data.tags.get("baseline", baseline) if baseline is None else baseline
         # methods_json: the methods in order (grid-point labels may contain commas); older parents: "assigners"
@@ -164,7 +167,8 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
             hit = next((i for i, v in enumerate(sm) if v >= target), None)
             tok_at = {st: v for st, v, _ in toks}
             reach[a].append(None if hit is None else {
-                "steps": acc[hit][0] + 1, "wall_s": (acc[hit][2] - acc[0][2]) / 1000, "tokens": tok_at.get(acc[hit][0], float("nan"))})
+                "steps": acc[hit][0] + 1, "wall_s": (acc[hit][2] - acc[0][2]) / 1000, "tokens": tok_at.get(acc[hit][0],
+                float("nan"))})
     rows = []
     for a in order:
         vals = [final[a][s] for s in sorted(final[a])]
@@ -189,7 +193,9 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
                              "n_needed": None if flat else seeds_needed(effect, sd, power=POWER, alpha=ALPHA),
                              "n": len(diffs), "note": dnote}
         c = cost[a]
-        row.update({k: (sum(x[k] for x in c) / len(c) if c else float("nan")) for k in ("s_per_iter", "wall_min", "tokens")})
+        row.update(
+            {k: (sum(x[k] for x in c) / len(c) if c else float("nan")) for k in ("s_per_iter", "wall_min", "tokens")}
+        )
         if target is not None:
             hits = [x for x in reach[a] if x is not None]
             row["reached"] = f"{len(hits)}/{len(reach[a])}"
@@ -236,10 +242,14 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
         _plot(series, final_points={a: final[a] for a in order}, path=extra_plots[-1], metric=metric, baseline=baseline,
               curve=name)
     if extra_plots or notes:
-        table += "\n\n" + "\n".join(([f"more curves: {', '.join(p.name for p in extra_plots)}"] if extra_plots else []) + notes)
+        table += "\n\n" + "\n".join(
+            ([f"more curves: {', '.join(p.name for p in extra_plots)}"] if extra_plots else []) + notes
+        )
     md = out / "report.md"
     on_train = any(r.data.tags.get("eval_split") == "train" for r in finished.values())
-    md.write_text(_markdown(comparison, tracking, table, rows, missing, metric, baseline, target, eval_on_train=on_train))
+    md.write_text(
+        _markdown(comparison, tracking, table, rows, missing, metric, baseline, target, eval_on_train=on_train)
+    )
     (out / "report.json").write_text(json.dumps({
         "comparison": comparison, "metric": metric, "primary_metric": metric, "primary_metric_source": metric_source,
         "baseline": baseline, "power_settings": {"power": POWER, "alpha": ALPHA, "effect": effect},
@@ -367,20 +377,26 @@ def version_mismatch(runs: dict[str, Any]) -> tuple[list[dict[str, Any]], list[s
         v = (tags.get(TAG_PREFIX + "gearlab") or tags.get("git_sha")) if key == "git_sha" else tags.get(key)
         return v if v and v != "unknown" else "unknown"
 
-    keys = sorted({k for r in runs.values() for k in r.data.tags if k.startswith(TAG_PREFIX)} - {TAG_PREFIX + "gearlab"})
+    keys = sorted(
+        {k for r in runs.values() for k in r.data.tags if k.startswith(TAG_PREFIX)} - {TAG_PREFIX + "gearlab"}
+    )
     out = []
     for key in ["git_sha", *keys]:
         groups: dict[str, list[str]] = {}
         for label, r in runs.items():
             groups.setdefault(value(r.data.tags, key), []).append(label)
         if len(set(groups) - {"unknown"}) > 1:
-            out.append({"key": key, "values": {v: groups[v] for v in sorted(groups, key=lambda v: (v == "unknown", v))}})
+            out.append(
+                {"key": key, "values": {v: groups[v] for v in sorted(groups, key=lambda v: (v == "unknown", v))}}
+            )
     unknown = [label for label, r in runs.items() if not any(k.startswith(TAG_PREFIX) for k in r.data.tags)]
     return out, unknown
 
 
 def _mismatch_line(m: dict[str, Any]) -> str:
-    return f"WARNING: runs differ in {m['key']} (" + "; ".join(f"{v}: {', '.join(ls)}" for v, ls in m["values"].items()) + ")"
+    return f"WARNING: runs differ in {m['key']} (" + "; ".join(
+        f"{v}: {', '.join(ls)}" for v, ls in m["values"].items()
+    ) + ")"
 
 
 def _status(children: list[Any], a: str, s: int) -> str:
@@ -404,13 +420,16 @@ def _table(rows: list[dict[str, Any]], metric: str, baseline: str, target: float
         mde_s = "–" if mde is None else _fmt(mde, None, 0, pct).split(" (")[0]
         line = [r["assigner"], _fmt(r["mean"], r["ci95"], r["n"], pct, r.get("ci95_note")),
                 _fmt(r.get("start", float("nan")), None, 0, pct).split(" (")[0],
-                _fmt(r.get("change", float("nan")), r.get("change_ci95"), r.get("change_n", 0), pct, r.get("change_note")),
+                _fmt(r.get("change", float("nan")), r.get("change_ci95"), r.get("change_n", 0), pct,
+                r.get("change_note")),
                 d, mde_s,
                 f"{r['s_per_iter']:.2f}", f"{r['wall_min']:.1f}",
                 f"{r['tokens']:.0f}" if r["tokens"] == r["tokens"] else "–"]
         if target is not None:
             line += [r["reached"]] + [f"{r[f'to_target_{k}']:.{1 if k == 'wall_s' else 0}f}"
-                                      if r[f"to_target_{k}"] == r[f"to_target_{k}"] else "–" for k in ("steps", "wall_s", "tokens")]
+                                      if r[f"to_target_{k}"] == r[f"to_target_{k}"] else "–" for k in (
+                                          "steps", "wall_s", "tokens"
+                                      )]
         lines.append(line)
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     fmt = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
@@ -433,7 +452,9 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
               eval_on_train: bool = False) -> str:
     if tracking.startswith("sqlite:///"):  # a local file: show it relative to where the report is run from
         try:
-            tracking = "sqlite:///" + str(Path(tracking[len("sqlite:///"):]).resolve().relative_to(Path.cwd().resolve()))
+            tracking = "sqlite:///" + str(
+                Path(tracking[len("sqlite:///"):]).resolve().relative_to(Path.cwd().resolve())
+            )
         except ValueError:
             pass
     parts = [f"# Comparison `{comparison}`", "",
@@ -445,17 +466,23 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
              "Mean ± half-width of the two-sided 95% Student-t interval over seeds; n = seeds. "
              f"Δ = paired per-seed difference to `{baseline}` (same seeds, same prompts, same sampling seeds), "
              "same interval on the differences; an interval from fewer than 3 seeds or from values that are all "
-             "equal is withheld and the reason shown (\"n too small\", \"no spread, interval undefined\"). MDE80 = the smallest paired difference the seeds had 80% power to "
+             "equal is withheld and the reason shown (\"n too small\", \"no spread, interval undefined\"). MDE80 = the "
+             "smallest paired difference the seeds had 80% power to "
              "detect (two-sided paired t-test at 5%, exact noncentral t). s / iter = rollout + signals + update per "
              "iteration.", "",
-             "Under the table: `learning:` gives each method's paired change from its start and whether its 95% interval "
-             "excludes 0; each `power:` line the SD of the per-seed paired differences, the MDE80 and the seeds a stated "
+             "Under the table: `learning:` gives each method's paired change from its start and whether its 95% "
+             "interval "
+             "excludes 0; each `power:` line the SD of the per-seed paired differences, the MDE80 and the seeds a "
+             "stated "
              "difference would need (docs/comparisons.md, \"Reading the power line\"). A difference whose interval "
              "contains 0 is only \"no difference larger than the MDE80 could be seen\".", "", table, ""]
     if target is not None:
-        parts += [f"Steps to target: first iteration where the training accuracy, averaged over a {SMOOTH}-iteration window, "
+        parts += [f"Steps to target: first iteration where the training accuracy, averaged over a {SMOOTH}-iteration "
+                  "window, "
                   f"reaches {target:g}; averaged over the seeds that reached it.", ""]
     parts += ["Learning curves: `curves.png` (training accuracy per iteration, mean over seeds with a 95% t band, "
               "clipped to [0, 1]).", ""]
-    parts += (["Missing runs (not in the statistics): " + ", ".join(missing), ""] if missing else ["All runs finished.", ""])
+    parts += (
+        ["Missing runs (not in the statistics): " + ", ".join(missing), ""] if missing else ["All runs finished.", ""]
+    )
     return "\n".join(parts)

@@ -99,7 +99,9 @@ def credit_eval_table(evals: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]
         ns = [e["n"] for e in entries if _finite(e.get("n"))]
         rec["n_files"], rec["n_scored"] = len(entries), (int(sum(ns)) if ns else None)
         summary["assigners"][a] = rec
-        lines.append([a, *[cell(rec.get(f)) for f, _ in fields], "–" if rec["n_scored"] is None else str(rec["n_scored"])])
+        lines.append(
+            [a, *[cell(rec.get(f)) for f, _ in fields], "–" if rec["n_scored"] is None else str(rec["n_scored"])]
+        )
     for s in sigs:
         vals = [float(d["signals"][s]["auroc"]) for d in evals
                 if isinstance((d.get("signals") or {}).get(s), dict) and _finite(d["signals"][s].get("auroc"))]

@@ -29,7 +29,9 @@ def _bounds(metric: str, values: list[float] | tuple[float, ...] = ()) -> tuple[
     return None
 
 
-def _band(series: list[list[float]], bounds: tuple[float, float] | None = None) -> tuple[list[float], list[float], list[float]]:
+def _band(
+    series: list[list[float]], bounds: tuple[float, float] | None = None
+) -> tuple[list[float], list[float], list[float]]:
     """(mean, lower, upper) over the series at each step (95% t band), the band clipped to ``bounds``."""
     L = min(len(r) for r in series)
     stats = [t_interval([r[t] for r in series]) for t in range(L)]

@@ -120,10 +120,12 @@ class RolloutBatch:
         """
         mask = torch.as_tensor(response_mask, dtype=torch.bool)
         B, T = mask.shape
-        return cls(prompt_ids=torch.ones(B, prompt_len, dtype=torch.long), prompt_mask=torch.ones(B, prompt_len, dtype=torch.long),
+        return cls(prompt_ids=torch.ones(B, prompt_len, dtype=torch.long), prompt_mask=torch.ones(B, prompt_len,
+                   dtype=torch.long),
                    response_ids=torch.ones(B, T, dtype=torch.long), response_mask=mask,
                    group_ids=torch.zeros(B, dtype=torch.long) if group_ids is None else torch.as_tensor(group_ids),
-                   rewards=torch.zeros(B) if rewards is None else torch.as_tensor(rewards, dtype=torch.float32), **fields)
+                   rewards=torch.zeros(B) if rewards is None else torch.as_tensor(rewards, dtype=torch.float32),
+                   **fields)
 
     def select(self, idx: Tensor) -> "RolloutBatch":
         """The sub-batch of rows ``idx`` (a 1-D long tensor); meta lists are indexed too."""
@@ -133,7 +135,9 @@ class RolloutBatch:
             if isinstance(v, Tensor):
                 out[name] = v[idx]
             elif name == "meta":
-                out[name] = {k: ([val[i] for i in idx.tolist()] if isinstance(val, list) else val) for k, val in v.items()}
+                out[name] = {
+                    k: ([val[i] for i in idx.tolist()] if isinstance(val, list) else val) for k, val in v.items()
+                }
             else:
                 out[name] = v
         return RolloutBatch(**out)

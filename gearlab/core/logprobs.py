@@ -78,11 +78,15 @@ def _packed_response_hidden(model: nn.Module, input_ids: Tensor, attention_mask:
     n_resp = real[:, prompt_len:].sum(1)
     t = torch.arange(response_len, device=dev)
     valid = t[None] < n_resp[:, None]  # [B, T]
-    idx = torch.where(valid, start[:, None] + n_prompt[:, None] - 1 + t[None], torch.zeros_like(valid, dtype=torch.long))
+    idx = torch.where(
+        valid, start[:, None] + n_prompt[:, None] - 1 + t[None], torch.zeros_like(valid, dtype=torch.long)
+    )
     return hidden[idx] * valid[..., None].to(hidden.dtype)
 
 
-def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+def _chunk_stats(
+    hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor]:
     logits = head(hidden).float() / temperature  # [n, V]
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse

@@ -54,7 +54,8 @@ class CreditAssigner(ABC):
     preserves_sign: ClassVar[bool] = False  # sign(A_{i,t}) == sign(A_i) wherever A_{i,t} != 0
     preserves_mass: ClassVar[bool] = False  # Σ_t A_{i,t} == N_i · A_i (N_i = generated tokens of i)
     requires_turns: ClassVar[bool] = False  # needs batch.turn_ids / turn_rewards (multi-turn tasks only)
-    keeps_zero_groups: ClassVar[bool] = True  # a sequence with A_i = 0 gets 0 on every token (False for pure distillation)
+    # a sequence with A_i = 0 gets 0 on every token (False for pure distillation)
+    keeps_zero_groups: ClassVar[bool] = True
 
     # Teacher of the teacher signals: "live" = the current policy weights (default), "frozen" = a copy
     # re-synced every `teacher_sync_every` iterations (0 = never), "ema" = an exponential moving average

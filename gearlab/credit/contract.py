@@ -38,7 +38,9 @@ class _MultiTurnTask:
     multi_turn = True
 
 
-def random_batch(seed: int, *, groups: int = 3, group_size: int = 4, T: int = 24, multi_turn: bool = False) -> RolloutBatch:
+def random_batch(
+    seed: int, *, groups: int = 3, group_size: int = 4, T: int = 24, multi_turn: bool = False
+) -> RolloutBatch:
     """A well-formed random RolloutBatch: ragged lengths, one all-equal-reward group, teacher prompts;
     with ``multi_turn`` 2–3 turns per sequence separated by masked environment tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -73,7 +75,8 @@ def random_batch(seed: int, *, groups: int = 3, group_size: int = 4, T: int = 24
         response_ids=torch.randint(3, V, (B, T), generator=g), response_mask=resp_mask, attention_mask=attn,
         group_ids=torch.arange(groups).repeat_interleave(group_size), rewards=rewards,
         turn_ids=turn_ids if multi_turn else None, turn_rewards=turn_rewards if multi_turn else None,
-        teacher_prompt_ids=torch.randint(3, V, (B, P + 3), generator=g), teacher_prompt_mask=torch.ones(B, P + 3, dtype=torch.long),
+        teacher_prompt_ids=torch.randint(3, V, (B, P + 3), generator=g), teacher_prompt_mask=torch.ones(B, P + 3,
+        dtype=torch.long),
         meta={"anchor_obs": anchor_obs} if multi_turn else {},
     )
 
@@ -165,7 +168,9 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
             return "non-finite advantages"
         if out.loss_mask is not None and tuple(out.loss_mask.shape) != tuple(A.shape):
             return f"loss_mask shape {tuple(out.loss_mask.shape)} != {tuple(A.shape)}"
-        bad = [k for k, v in out.metrics.items() if not isinstance(v, (int, float)) and not (isinstance(v, Tensor) and v.numel() == 1)]
+        bad = [k for k, v in out.metrics.items() if not isinstance(v, (int, float)) and not (
+            isinstance(v, Tensor) and v.numel() == 1
+        )]
         return f"metrics not scalar: {bad}" if bad else None
 
     def masked_zero(seed: int) -> str | None:
@@ -190,7 +195,9 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
         b = random_batch(seed, multi_turn=multi)
         sig = {k: v.clone().requires_grad_(True) for k, v in fake_signals(b, frozenset(a.needs), seed).items()}
         out = a.assign(b, _seq_adv(b), sig)
-        return "token_advantages carry a gradient path to the signals (detach them)" if out.token_advantages.requires_grad else None
+        return (
+            "token_advantages carry a gradient path to the signals (detach them)"
+        ) if out.token_advantages.requires_grad else None
 
     def signals_used(seed: int) -> str | None:
         a, b, adv, out = run(seed)
@@ -204,7 +211,9 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
                 a2 = make()
                 a2.setup(seed=seed, total_steps=10, task=task)
                 out2 = a2.assign(b, adv, alt)
-                if not torch.equal(out2.token_advantages, out.token_advantages) or not _same_mask(out2.loss_mask, out.loss_mask):
+                if not torch.equal(
+                    out2.token_advantages, out.token_advantages
+                ) or not _same_mask(out2.loss_mask, out.loss_mask):
                     changed = True
                     break
             if not changed:

@@ -72,7 +72,9 @@ def place_random(runs: list[tuple[int, int]], segments: list[tuple[int, Any]], g
     return sorted(out, key=lambda x: x[0])
 
 
-def place_fixed(positions: list[int], runs: list[tuple[int, int]], length: int, weights: list[Any]) -> list[tuple[int, int, Any]]:
+def place_fixed(
+    positions: list[int], runs: list[tuple[int, int]], length: int, weights: list[Any]
+) -> list[tuple[int, int, Any]]:
     """k = len(weights) segments of ``length`` at regular onsets: onset j is the generated token of index
     floor(j·N/k) (``positions`` = the N generated positions); each ends at its block's end (``runs``) or before
     the next onset if sooner. Returns (first, last, weight) in order."""

@@ -14,7 +14,9 @@ from torch import Tensor
 REL_TOL = 1e-6
 
 
-def credit_diagnostics(token_adv: Tensor, seq_adv: Tensor, response_mask: Tensor, loss_mask: Tensor) -> dict[str, float]:
+def credit_diagnostics(
+    token_adv: Tensor, seq_adv: Tensor, response_mask: Tensor, loss_mask: Tensor
+) -> dict[str, float]:
     """token_adv [B, T] float, seq_adv [B] (GRPO's A_i), response_mask / loss_mask [B, T] bool → scalars:
 
     adv_mean, adv_std, adv_abs_mean   of the effective token credit E_{i,t} over generated tokens

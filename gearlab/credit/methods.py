@@ -20,7 +20,16 @@ from typing import Any
 from gearlab.config import conf_dir, method_yaml, parse_label
 from gearlab.credit.api import CreditAssigner, available, build
 
-__all__ = ["MethodSpec", "available_methods", "build_method", "expand_grid", "grid_label", "method_spec", "parse_label", "unknown_methods"]
+__all__ = [
+    "MethodSpec",
+    "available_methods",
+    "build_method",
+    "expand_grid",
+    "grid_label",
+    "method_spec",
+    "parse_label",
+    "unknown_methods"
+]
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,8 @@ class MethodSpec:
 
 
 def grid_label(method: str, options: dict[str, Any]) -> str:
-    """The label of one grid point: ``grid_label("gear", {"q_on": 0.8})`` = ``"gear:q_on=0.8"`` (keys in the given order)."""
+    """The label of one grid point: ``grid_label("gear", {"q_on": 0.8})`` = ``"gear:q_on=0.8"`` (keys in the given \
+order)."""
     return method + ":" + ",".join(f"{k}={_scalar(v)}" for k, v in options.items())
 
 

@@ -73,7 +73,9 @@ def check_value(key: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
     """``value`` converted to the field's type (int → float), or OptionError."""
     if not _type_ok(value, tp):
         raise OptionError(key, f"expected {_type_name(tp)}, got {value!r}")
-    if tp is float or (isinstance(value, (int, float)) and not isinstance(value, bool) and float in typing.get_args(tp)):
+    if tp is float or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and float in typing.get_args(tp)
+    ):
         value = float(value)
         if math.isnan(value):
             raise OptionError(key, "must be a number, got nan")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 MODULE = '''"""{title}: <one line on what this credit method does>.
 
-Formula: A_{{i,t}} = <...>  (source: <paper / code>, tags as in docs/credit/README.md#provenance-tags: [SRC] / [PROPOSED]).
+Formula: A_{{i,t}} = <...>  (source: <paper / code>, tags as in docs/credit/README.md#provenance-tags: [SRC] / \
+[PROPOSED]).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class {cls}(CreditAssigner):
         m = batch.response_mask.float()  # [B, T]
         weight = 1.0 + self.alpha * signals[Signal.ENTROPY].detach()  # [B, T], > 0 keeps the sign
         adv = seq_advantages[:, None] * weight * m
-        return CreditOutput(token_advantages=adv, metrics={{"mean_weight": float((weight * m).sum() / m.sum().clamp_min(1))}})
+        return CreditOutput(token_advantages=adv, metrics={{"mean_weight": float((weight * m).sum() / \
+m.sum().clamp_min(1))}})
 '''
 
 YAML = '''# {title}: <one line>, <source>
@@ -63,7 +65,8 @@ def test_hand_computed_value():
     b = RolloutBatch(prompt_ids=torch.ones(1, 2, dtype=torch.long), prompt_mask=torch.ones(1, 2, dtype=torch.long),
                      response_ids=torch.ones(1, 3, dtype=torch.long), response_mask=torch.tensor([[True, True, False]]),
                      group_ids=torch.tensor([0]), rewards=torch.tensor([1.0]))
-    out = build("{name}", {{"alpha": 0.5}}).assign(b, torch.tensor([2.0]), {{Signal.ENTROPY: torch.tensor([[1.0, 0.0, 0.0]])}})
+    out = build("{name}", {{"alpha": 0.5}}).assign(b, torch.tensor([2.0]), {{Signal.ENTROPY: torch.tensor([[1.0, 0.0, \
+0.0]])}})
     # token 0: 2 * (1 + 0.5 * 1) = 3; token 1: 2 * 1 = 2; token 2 is padding
     assert out.token_advantages.tolist() == [[3.0, 2.0, 0.0]]
 '''
@@ -87,7 +90,8 @@ def new_assigner(name: str, root: Path) -> list[Path]:
     else:
         module, test = root / f"{name}.py", root / "tests" / f"test_{name}.py"
         import_line = ("from pathlib import Path\n\nfrom gearlab.credit import load_module\n\n"
-                       f"load_module(str(Path(__file__).resolve().parents[1] / \"{name}.py\"))  # registers the assigner")
+                       f"load_module(str(Path(__file__).resolve().parents[1] / \"{name}.py\"))  # registers the "
+                       "assigner")
     files = {
         module: MODULE.format(name=name, cls=cls, title=title),
         root / "conf" / "assigner" / f"{name}.yaml": YAML.format(name=name, title=title),

@@ -163,7 +163,9 @@ _SECCOMP_EPERM = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot"
                   "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
                   "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr")
 # every CLONE_NEW* bit that clone() accepts (CLONE_NEWTIME shares its bit with the exit signal there)
-_CLONE_NS_MASK = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+_CLONE_NS_MASK = (
+    CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+)
 
 
 def _seccomp_filter(machine: str | None = None) -> bytes | None:

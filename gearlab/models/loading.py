@@ -103,8 +103,8 @@ def run_warmstart(cfg: Config, *, shipped: bool = True) -> dict[str, Any]:
     ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
     out = embedded_dir(cfg, ref)
     if shipped and shipped_matches(cfg, ref):
-        log.warning("the default warm start of %s: copying the shipped one (gearlab warmstart recomputes it) into %s",
-                    ref, out)
+        log.info("the default warm start of %s: copying the shipped one (gearlab warmstart recomputes it) into %s",
+                 ref, out)
         return copy_shipped(out)
     w = cfg.warmstart
     threads = torch.get_num_threads()

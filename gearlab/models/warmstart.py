@@ -237,7 +237,9 @@ def warmstart(
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
     if dev.type == "cuda":  # deterministic kernels: the same start on every machine of one kind (compare checks it)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         was_deterministic = torch.are_deterministic_algorithms_enabled()
@@ -322,7 +324,8 @@ def warmstart(
             ep = _evaluate_episodes(model, tokenizer, task, test, **kw)
             result["acc_plain_greedy"] = ep["accuracy"]
             result.update({f"greedy_{k}": round(v, 4) for k, v in ep.items()
-                           if k in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean")})
+                           if k in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac",
+                           "turns_mean")})
         else:
             result["acc_plain_greedy"] = evaluate_accuracy(model, tokenizer, task, test, **kw)
         result["acc_plain_sampled"] = evaluate_accuracy(model, tokenizer, task, test, greedy=False, seed=seed, **kw)

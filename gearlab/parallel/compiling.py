@@ -34,7 +34,8 @@ RECOMPILE_LIMIT = 64
 
 
 def raise_recompile_limit() -> None:
-    """Let torch.compile keep up to RECOMPILE_LIMIT graphs per function (shapes, bucket lengths) before it falls back to eager."""
+    """Let torch.compile keep up to RECOMPILE_LIMIT graphs per function (shapes, bucket lengths) before it falls back \
+to eager."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
     setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))

@@ -41,13 +41,17 @@ def strategy_name(cfg: Config) -> str:
 def check(cfg: Config) -> None:
     """Combinations that cannot work, as one-line ConfigErrors before any work."""
     s = strategy_name(cfg)
-    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (
+        cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
+    )
     if s == "fsdp1" and not gpu:
         raise ConfigError("key 'trainer.strategy': fsdp1 needs GPUs (PyTorch's FSDP1 does not run on CPU); use fsdp2")
     if cfg.trainer.cpu_offload and s != "fsdp2":
         raise ConfigError(f"key 'trainer.cpu_offload': only with trainer.strategy=fsdp2 (got {s})")
     if cfg.trainer.compile and s == "fsdp1":
-        raise ConfigError("key 'trainer.compile': not with trainer.strategy=fsdp1 (its flattened parameters); use fsdp2")
+        raise ConfigError(
+            "key 'trainer.compile': not with trainer.strategy=fsdp1 (its flattened parameters); use fsdp2"
+        )
     if s in ("ddp", "fsdp2", "fsdp1") and cfg.rollout.prompts_per_step % world_size(cfg):
         raise ConfigError(f"key 'rollout.prompts_per_step': {cfg.rollout.prompts_per_step} is not divisible by the "
                           f"{world_size(cfg)} processes (trainer.devices × trainer.num_nodes)")
@@ -102,8 +106,11 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, *, bf16: bool) -> nn.Modu
     from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16) if bf16 else None
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)), sharding_strategy=ShardingStrategy.FULL_SHARD,
+    mp = MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
+    ) if bf16 else None
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
+                sharding_strategy=ShardingStrategy.FULL_SHARD,
                 mixed_precision=mp, device_id=device, use_orig_params=False, limit_all_gathers=True)
 
 

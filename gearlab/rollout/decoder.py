@@ -39,7 +39,9 @@ def supports(model: nn.Module) -> str | None:
     if getattr(base, "rotary_emb", None) is None or model.get_output_embeddings() is None:
         return f"{type(model).__name__} has no shared rotary embedding or no output head"
     cfg = model.config
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or getattr(cfg, "use_sliding_window", False):
+    if any(
+        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
+    ) or getattr(cfg, "use_sliding_window", False):
         return f"{type(model).__name__} uses sliding-window attention"
     for name in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn"):
         if not hasattr(layers[0], name):

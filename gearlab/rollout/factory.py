@@ -18,7 +18,8 @@ from gearlab.tasks.base import Task
 
 
 def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: str = "zero", max_turns: int = 0,
-                max_total_tokens: int = 0, generator: TokenGenerator | None = None, static_cache: bool = False) -> HFRolloutEngine:
+                max_total_tokens: int = 0, generator: TokenGenerator | None = None,
+                static_cache: bool = False) -> HFRolloutEngine:
     """The rollout engine for ``task``: the multi-turn loop (``gearlab.rollout.multiturn``) when the task
     is multi-turn, else single-turn sampling. ``max_turns=0`` takes the task's default. ``generator``:
     the token generator (None = HF ``generate`` on the policy)."""
@@ -45,7 +46,9 @@ def resolve_engine(cfg: Any, model: nn.Module | None) -> str:
     return "fast" if ok else "hf"
 
 
-def engine_from_config(tokenizer, task: Task, cfg, *, training: bool = False, model: nn.Module | None = None) -> HFRolloutEngine:
+def engine_from_config(
+    tokenizer, task: Task, cfg, *, training: bool = False, model: nn.Module | None = None
+) -> HFRolloutEngine:
     """``make_engine`` with the ``rollout`` / ``trainer`` settings of a gearlab Config. ``training``: the
     engine of a training run, the only one that uses ``rollout.engine=vllm`` (evaluation, inspect and
     replay decode with HF ``generate`` then). ``rollout.engine=fast`` decodes the policy itself, so every

@@ -114,7 +114,8 @@ class FastDecoder:
                 self.free()
         elapsed = time.perf_counter() - t0
         self._stats = {"fast/decode_s": elapsed, "fast/steps": float(steps),
-                       "fast/ms_per_step": 1000 * elapsed / max(1, steps), "fast/graphs_captured": float(self._captured)}
+                       "fast/ms_per_step": 1000 * elapsed / max(1, steps),
+                       "fast/graphs_captured": float(self._captured)}
         if not outs:
             return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool), torch.zeros((0, 1))
         resp, lps = torch.cat([t for t, _ in outs]), torch.cat([lp for _, lp in outs])  # [N, max_new_tokens] each
@@ -171,7 +172,9 @@ class FastDecoder:
             self.free()
         return self._decoder
 
-    def _decode(self, dec: Decoder, ids: Tensor, mask: Tensor, seeds: Tensor, sp: SamplingParams) -> tuple[Tensor, Tensor, int]:
+    def _decode(
+        self, dec: Decoder, ids: Tensor, mask: Tensor, seeds: Tensor, sp: SamplingParams
+    ) -> tuple[Tensor, Tensor, int]:
         """One batch: prefill, then decode steps. Returns (tokens [B, T], log-probs [B, T], steps run)."""
         B, P = ids.shape
         T = sp.max_new_tokens

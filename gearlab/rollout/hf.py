@@ -55,7 +55,9 @@ class HFRolloutEngine:
     def _stop_ids(self) -> list[int]:
         return stop_token_ids(self.tok)
 
-    def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int) -> tuple[Tensor, Tensor]:
+    def sample(
+        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int
+    ) -> tuple[Tensor, Tensor]:
         """Generate for each prompt row: (response_ids [N, T] right-padded, response_mask [N, T] bool).
 
         A response ends at (and includes) its first stop token; everything after is padding.
@@ -72,7 +74,9 @@ class HFRolloutEngine:
         return (*self._hf_sample(model, prompt_ids, prompt_mask, sampling, seed), None)
 
     @torch.no_grad()
-    def _hf_sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int) -> tuple[Tensor, Tensor]:
+    def _hf_sample(
+        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int
+    ) -> tuple[Tensor, Tensor]:
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
@@ -88,7 +92,9 @@ class HFRolloutEngine:
                 for c in range(n_calls):
                     s = c * self.batch_size
                     idle = s >= N  # this rank has no rows left: a one-row call whose output is dropped
-                    ids = (prompt_ids[s : s + self.batch_size] if not idle else idle_prompt(prompt_ids, self.tok.pad_token_id)).to(device)
+                    ids = (prompt_ids[s : s + self.batch_size] if not idle else idle_prompt(
+                        prompt_ids, self.tok.pad_token_id
+                    )).to(device)
                     mask = (prompt_mask[s : s + self.batch_size] if not idle else torch.ones_like(ids)).to(device)
                     kw = dict(do_sample=False) if sampling.greedy else dict(
                         do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
@@ -154,7 +160,8 @@ class HFRolloutEngine:
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=rmask,
             group_ids=group_ids, rewards=rewards, rollout_logprobs=engine_lp, **teacher,
-            meta={"answers": [p.answer for p in expanded], "texts": list(texts), "reward_errors": self.last_reward_errors},
+            meta={"answers": [p.answer for p in expanded], "texts": list(texts),
+            "reward_errors": self.last_reward_errors},
         )
 
 

@@ -156,13 +156,15 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
                 if not n_active:  # (sharded: no rank has an active episode left)
                     break
                 if not active:  # this rank is done but others generate: take part in their collectives
-                    self.sample_with_logprobs(model, torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long),
+                    self.sample_with_logprobs(model, torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1),
+                                              dtype=torch.long),
                                               sampling, seed)
                     continue
                 caps = [min(sampling.max_new_tokens, budget - len(e.tokens)) for e in active]
                 ids, mask = left_pad([e.prompt + e.tokens for e in active], self.tok.pad_token_id)
                 turn_seed = (seed + 1_000_003 * (turn + 1)) % (2**63 - 1)
-                resp, rmask, lps = self.sample_with_logprobs(model, ids, mask, replace(sampling, max_new_tokens=max(caps)),
+                resp, rmask, lps = self.sample_with_logprobs(model, ids, mask, replace(sampling,
+                                                             max_new_tokens=max(caps)),
                                                              turn_seed)
                 acting: list[tuple[Episode, str]] = []
                 for k, (e, cap, row, m) in enumerate(zip(active, caps, resp, rmask)):

@@ -90,12 +90,15 @@ class VLLMGenerator:
     @classmethod
     def from_config(cls, tokenizer: Any, cfg: Any) -> "VLLMGenerator":
         v, r = cfg.rollout.vllm, cfg.rollout
-        max_len = v.max_model_len or _round_up(2048 + r.max_new_tokens * max(1, r.max_turns or 1) + (r.max_total_tokens or 0), 256)
+        max_len = v.max_model_len or _round_up(
+            2048 + r.max_new_tokens * max(1, r.max_turns or 1) + (r.max_total_tokens or 0), 256
+        )
         src = cfg.model.name_or_path
         return cls(tokenizer, model_dir=src if Path(str(src)).is_dir() else None, weight_sync=v.weight_sync,
                    bucket_mb=v.bucket_mb, sleep=v.sleep, sleep_level=v.sleep_level,
                    gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
-                   max_model_len=max_len, enforce_eager=v.enforce_eager, dtype=v.dtype, cpu_kv_cache_gb=v.cpu_kv_cache_gb)
+                   max_model_len=max_len, enforce_eager=v.enforce_eager, dtype=v.dtype,
+                   cpu_kv_cache_gb=v.cpu_kv_cache_gb)
 
     # -- the TokenGenerator protocol ------------------------------------------------------------
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
@@ -151,7 +154,9 @@ class VLLMGenerator:
             t = time.perf_counter()
             if self.dtype == "auto":
                 self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            self.max_model_len = min(self.max_model_len, getattr(model.config, "max_position_embeddings", self.max_model_len))
+            self.max_model_len = min(
+                self.max_model_len, getattr(model.config, "max_position_embeddings", self.max_model_len)
+            )
             origin = self.model_dir or getattr(model, "name_or_path", None)
             # in-place: start from the folder the policy came from (its weights are replaced right after);
             # reload, or no such folder: from the current weights
@@ -180,7 +185,8 @@ class VLLMGenerator:
                 self._stats["vllm/probe_lp_diff"] = err
                 if err > PROBE_TOL:
                     log.warning("vLLM in-place weight sync gives log-probs %.3g nats from the trainer's on a probe: "
-                                "falling back to rebuilding the engine from a saved checkpoint (weight_sync=reload)", err)
+                                "falling back to rebuilding the engine from a saved checkpoint (weight_sync=reload)",
+                                err)
                     self.path = "reload"
                     self._rebuild(model)
                 else:
@@ -295,7 +301,9 @@ class VLLMGenerator:
         if multi:  # it reads the torchrun variables; Lightning's own launcher does not set all of them
             os.environ.setdefault("RANK", str(dist.get_rank()))
             os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-            os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count() or dist.get_world_size())))
+            os.environ.setdefault(
+                "LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count() or dist.get_world_size()))
+            )
         if self._factory is not None:
             return self._factory(**kw)
         from vllm import LLM
@@ -315,7 +323,8 @@ class VLLMGenerator:
         greedy = sampling.greedy
         # processed log-probs = log softmax(logits / T) when top-p / top-k are off: the trainer's convention
         return VSP(n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-                   top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_ids,
+                   top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens,
+                   stop_token_ids=self.stop_ids,
                    logprobs=0, seed=seed, detokenize=False)
 
     def _tp_pool(self, rows: list[list[int]], seed: int) -> tuple[list[list[int]], list[int], int]:

@@ -28,7 +28,8 @@ Two ways to score the copies, same values (up to float rounding):
   copied: each layer concatenates the view with the suffix's keys / values and drops the result
   after its attention (``_PrefixLayer``), so the extra memory is the clean cache of one micro-batch
   of rows.
-* ``perturb_kv_share=False`` (default: faster on a GPU, see docs/credit/oar.md#cost), or a model the shared path cannot take (``_cache_keyword`` returns None:
+* ``perturb_kv_share=False`` (default: faster on a GPU, see docs/credit/oar.md#cost), or a model the shared path \
+cannot take (``_cache_keyword`` returns None:
   no per-layer ``DynamicLayer`` in the installed transformers, an FSDP1 wrapper, an attention other
   than eager / sdpa, a layer that is not full attention, no cache argument on the decoder; or a clean
   cache that is not one ``DynamicLayer`` per layer): every copy is a full forward, copies of all rows
@@ -190,7 +191,9 @@ def _clean_kv(cache, n: int, L: int) -> list[tuple[Tensor, Tensor]] | None:
     layers = getattr(cache, "layers", None)
     if not layers or any(type(x) is not DynamicLayer or x.keys is None for x in layers):
         return None
-    if any(x.keys.dim() != 4 or x.keys.shape[0] != n or x.keys.shape[-2] != L or x.values.shape[-2] != L for x in layers):
+    if any(
+        x.keys.dim() != 4 or x.keys.shape[0] != n or x.keys.shape[-2] != L or x.values.shape[-2] != L for x in layers
+    ):
         return None
     return [(x.keys, x.values) for x in layers]
 

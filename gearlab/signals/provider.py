@@ -47,7 +47,9 @@ class SignalProvider:
             return response_hidden(model, b.input_ids(), b.full_attention_mask(), b.prompt_ids.shape[1], b.response_len,
                                    packed=self.packed)
         if b.teacher_prompt_ids is None:
-            raise ValueError("a teacher signal was requested but the batch has no teacher_prompt_ids (privileged prompt)")
+            raise ValueError(
+                "a teacher signal was requested but the batch has no teacher_prompt_ids (privileged prompt)"
+            )
         ids = torch.cat([b.teacher_prompt_ids, b.response_ids], dim=1)
         mask = torch.cat([b.teacher_prompt_mask.bool(), b.attention_mask], dim=1).long()
         return response_hidden(model, ids, mask, b.teacher_prompt_ids.shape[1], b.response_len, packed=self.packed)
@@ -57,7 +59,8 @@ class SignalProvider:
             yield batch.select(torch.arange(s, min(s + self.micro_batch_size, batch.batch_size)))
 
     def compute(self, batch: RolloutBatch, needs: frozenset[Signal] | set[Signal], *, with_logprobs: bool = True,
-                teacher: nn.Module | None = None, options: dict[str, Any] | None = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
+                teacher: nn.Module | None = None, options: dict[str,
+                Any] | None = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
         """Returns (student log-probs/entropy or None, {signal: [B, T] float32}) for exactly ``needs``.
 
         Student and teacher passes run without gradient, micro-batched; values at masked positions are 0.
@@ -89,7 +92,9 @@ class SignalProvider:
         return ppass, signals
 
     @torch.no_grad()
-    def _passes(self, batch: RolloutBatch, needs: frozenset[Signal], with_logprobs: bool, teacher: nn.Module | None) -> dict:
+    def _passes(
+        self, batch: RolloutBatch, needs: frozenset[Signal], with_logprobs: bool, teacher: nn.Module | None
+    ) -> dict:
         want_entropy = Signal.ENTROPY in needs
         want_teacher = any(signal_name(s) in TEACHER_SIGNALS for s in needs)
         if not (with_logprobs or want_entropy or want_teacher):
@@ -113,7 +118,9 @@ class SignalProvider:
                     continue
                 ht = self._hidden(tmodel, mb, teacher=True)
                 if needs & {Signal.TEACHER_LOGPROBS, Signal.TEACHER_ENTROPY}:
-                    tlp, tent = token_logprobs(ht, thead, mb.response_ids, with_entropy=Signal.TEACHER_ENTROPY in needs, **kw)
+                    tlp, tent = token_logprobs(
+                        ht, thead, mb.response_ids, with_entropy=Signal.TEACHER_ENTROPY in needs, **kw
+                    )
                     out.setdefault(Signal.TEACHER_LOGPROBS, []).append(tlp)
                     if tent is not None:
                         out.setdefault(Signal.TEACHER_ENTROPY, []).append(tent)

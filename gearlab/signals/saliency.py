@@ -21,7 +21,8 @@ The answer tokens are the value tokens ("36"); ``answer_anchor="span"`` uses the
 ("Answer: 36"). A row whose value is empty falls back to the whole span; a row with no reasoning
 or no answer span gets saliency 0 and costs no forward.
 
-OAR-G (``INPUT_GRAD_SALIENCY``) [SRC; docs/credit/oar.md#oar-g-input-gradient-saliency]: p_0 from a clean no-grad forward; a noisy forward on
+OAR-G (``INPUT_GRAD_SALIENCY``) [SRC; docs/credit/oar.md#oar-g-input-gradient-saliency]: p_0 from a clean no-grad \
+forward; a noisy forward on
 ``inputs_embeds`` with N(0, σ²) noise (σ = option ``saliency_noise``, 1e-3) on the reasoning
 embeddings only; J = KL(p_0 ‖ p_noisy) (φ_0 − φ_noisy for answer_joint); s_t = |⟨∂J/∂e_t, e_t⟩|.
 The backward is ``torch.autograd.grad(J, embeds)`` with every parameter temporarily set to
@@ -185,7 +186,9 @@ def _layer_checkpointing(model: nn.Module) -> Iterator[bool]:
     """
     cfg = getattr(model, "config", None)
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-        float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop"))
+        float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in (
+            "attention_dropout", "hidden_dropout", "dropout", "resid_pdrop"
+        ))
     if dropout or not getattr(model, "supports_gradient_checkpointing", False):
         yield False
         return

@@ -23,7 +23,8 @@ on ASCII); otherwise the boundary token is found by bisection over prefix decode
 Error spans (``error_token_mask``, ``locate_errors``): a task's :meth:`~gearlab.tasks.base.Task.locate_error`
 gives the character span of the first wrong step in the row's text ``meta["texts"][i]``; the same
 character-to-token machinery (per-token pieces; where they do not concatenate, an exact grouping of the
-tokens that share a character instead of the bisection) marks the generated tokens that overlap it. The text must be reproduced
+tokens that share a character instead of the bisection) marks the generated tokens that overlap it. The text must be \
+reproduced
 exactly by decoding the row's tokens under one of the engines' conventions (``_TEXT_CONVENTIONS``):
 
   single-turn  the generated tokens (``response_mask``), ``skip_special_tokens=True``

@@ -35,7 +35,15 @@ from typing import Any
 from gearlab.tasks.base import Problem, Task, read_utf8, sample_cycling
 from gearlab.tasks.registry import register_task
 
-__all__ = ["FunctionCallingTask", "load_fncall_rows", "load_fncall_sourced", "parse_calls", "score_calls", "SAMPLE_PATH", "MalformedCall"]
+__all__ = [
+    "FunctionCallingTask",
+    "load_fncall_rows",
+    "load_fncall_sourced",
+    "parse_calls",
+    "score_calls",
+    "SAMPLE_PATH",
+    "MalformedCall"
+]
 
 SAMPLE_PATH = Path(__file__).parent / "data" / "fncall_sample.jsonl"
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -60,9 +68,12 @@ def _row_to_problem(row: dict[str, Any], where: str) -> Problem:
         query = row["query"]
         tools = _maybe_json(row.get("tools", []), "'tools'", where)
         answers = _maybe_json(row["answers"], "'answers'", where)
-        if not isinstance(answers, list) or not all(isinstance(a, dict) and isinstance(a.get("name"), str) for a in answers):
+        if not isinstance(answers, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("name"), str) for a in answers
+        ):
             raise ValueError(f"{where}: 'answers' must be a list of {{\"name\": …, \"arguments\": {{…}}}}")
-        expected = [{"name": a["name"], "arguments": {k: [v] for k, v in _maybe_json(a.get("arguments", {}), "'arguments'", where).items()}}
+        expected = [{"name": a["name"], "arguments": {k: [v] for k, v in _maybe_json(a.get("arguments", {}),
+                    "'arguments'", where).items()}}
                     for a in answers]
     elif "question" in row and "ground_truth" in row:  # BFCL
         q = row["question"]
@@ -76,14 +87,20 @@ def _row_to_problem(row: dict[str, Any], where: str) -> Problem:
         expected = []
         for c in gt:
             (name, args), = c.items()
-            expected.append({"name": name, "arguments": {k: (v if isinstance(v, list) else [v]) for k, v in args.items()}})
+            expected.append(
+                {"name": name, "arguments": {k: (v if isinstance(v, list) else [v]) for k, v in args.items()}}
+            )
     else:
-        raise ValueError(f"{where}: unknown row format: need 'query'+'answers' (xLAM) or 'question'+'ground_truth' (BFCL)")
+        raise ValueError(
+            f"{where}: unknown row format: need 'query'+'answers' (xLAM) or 'question'+'ground_truth' (BFCL)"
+        )
     if not isinstance(query, str) or not query.strip():
         raise ValueError(f"{where}: empty question")
     if not isinstance(tools, list):
         raise ValueError(f"{where}: the tool schemas must be a list")
-    answer = json.dumps([{"name": c["name"], "arguments": {k: v[0] for k, v in c["arguments"].items()}} for c in expected])
+    answer = json.dumps(
+        [{"name": c["name"], "arguments": {k: v[0] for k, v in c["arguments"].items()}} for c in expected]
+    )
     split = row.get("split")
     if split not in (None, "train", "test"):
         raise ValueError(f"{where}: 'split' must be 'train' or 'test', got {split!r}")

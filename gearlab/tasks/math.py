@@ -36,7 +36,9 @@ from gearlab.errors import ConfigError
 from gearlab.tasks.base import Problem, Task, read_utf8, sample_cycling
 from gearlab.tasks.registry import register_task
 
-__all__ = ["SAMPLES", "MathTask", "last_boxed", "load_math_problems", "load_math_sourced", "math_reward", "row_to_problem"]
+__all__ = [
+    "SAMPLES", "MathTask", "last_boxed", "load_math_problems", "load_math_sourced", "math_reward", "row_to_problem"
+]
 
 DATA_DIR = Path(__file__).parent / "data"
 SAMPLES = {k: DATA_DIR / f"{k}_sample.jsonl" for k in ("gsm8k", "math500", "aime")}
@@ -291,7 +293,8 @@ class MathTask(Task):
         if not path:  # a test sample trained on silently looks like a run on the benchmark: refuse instead
             rows = sum(1 for line in SAMPLES[sample].read_text().splitlines() if line.strip())
             raise ConfigError(f"key 'task.options.path': no data file given; set task.options.path=FILE (JSONL, JSON "
-                              f"or parquet, or a hub id), or task.options.path=sample to use the {rows}-row test sample "
+                              f"or parquet, or a hub id), or task.options.path=sample to use the {rows}-row test "
+                              "sample "
                               f"gearlab/tasks/data/{SAMPLES[sample].name}")
         self.path = str(SAMPLES[sample]) if str(path) == "sample" else str(path)
         self.test_path, self.test_fraction, self.seed = test_path, test_fraction, seed

@@ -59,7 +59,8 @@ def split_transcript(text: str) -> list[tuple[int, int, bool, str | None]]:
 
     ``text[start:end]`` is the action as written, its end-of-turn token excluded; ``ended`` says whether
     the environment stepped it: that token is there, or a tool turn follows (False: the turn was cut — by
-    the token budget or the per-turn limit — and the environment never saw it); ``observation`` is the environment's answer that follows it in
+    the token budget or the per-turn limit — and the environment never saw it); ``observation`` is the environment's \
+answer that follows it in
     the transcript, or None where none was appended (the episode ended there). Assumes the transcript
     layout of gearlab.rollout.multiturn (module docstring); text that is not in it reads as one action.
     """
@@ -95,7 +96,9 @@ class ToolArithEnv(Environment):
             res = call_tool(call[0], call[1], allowed=self.task.tools)
             correct = res.ok and self.progress < len(self.trace) and res.output == self.trace[self.progress]
             self.progress += bool(correct)
-            reward = self.task.valid_reward * (res.ok and self.calls <= len(self.trace)) + self.task.step_reward * correct
+            reward = self.task.valid_reward * (
+                res.ok and self.calls <= len(self.trace)
+            ) + self.task.step_reward * correct
             info = {"tool_call": True, "valid_call": res.ok, "correct": bool(correct),
                     "anchor": f"{self.progress}:{res.output}"}
             return StepResult(res.output, float(reward), False, info)
@@ -103,7 +106,9 @@ class ToolArithEnv(Environment):
         return StepResult("", 0.0, True, {"tool_call": False, "finished": self.answer is not None})
 
     def outcome(self) -> float:
-        return 1.0 if self.answer is not None and self.answer == self.task.normalize_answer(self.problem.answer) else 0.0
+        return 1.0 if self.answer is not None and self.answer == self.task.normalize_answer(
+            self.problem.answer
+        ) else 0.0
 
 
 @register_task("tool_arith")

@@ -35,7 +35,8 @@ def start_cache_key(cfg: Config, model_dir: str | Path) -> str | None:
     from omegaconf import OmegaConf
 
     parts = {"files": files, "task": OmegaConf.to_container(cfg.task), "rollout": OmegaConf.to_container(cfg.rollout),
-             "eval": {k: v for k, v in OmegaConf.to_container(cfg.eval).items() if k not in ("checkpoint", "cache_start")},
+             "eval": {k: v for k, v in OmegaConf.to_container(cfg.eval).items() if k not in ("checkpoint",
+             "cache_start")},
              "seed": eval_seed(cfg), "dtype": cfg.model.dtype, "threads": torch.get_num_threads(),
              "precision": cfg.trainer.precision, "torch": torch.__version__}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -65,7 +66,8 @@ def cached_start_evaluation(model, tok, task, cfg: Config, model_dir: str | Path
 def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
     """Greedy accuracy, avg@k and unbiased pass@k on ``eval.num_problems`` test problems.
 
-    The problems and sampling seeds depend only on ``eval.seed`` (default: ``trainer.seed``) and the number of processes, so
+    The problems and sampling seeds depend only on ``eval.seed`` (default: ``trainer.seed``) and the number of \
+processes, so
     every run of a paired comparison is evaluated on the same problems with the same random numbers.
     In a multi-process run each rank evaluates every world-th problem and the means are aggregated across
     ranks with torchmetrics (weighted by counts: the same numbers as one process on all problems, up to

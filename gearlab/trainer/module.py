@@ -58,7 +58,8 @@ class GRPOModule(L.LightningModule):
         if cfg.algorithm.kl_coef > 0:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
             self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
-                                              chunk_size=cfg.signals.chunk_size, micro_batch_size=cfg.algorithm.micro_batch_size,
+                                              chunk_size=cfg.signals.chunk_size,
+                                              micro_batch_size=cfg.algorithm.micro_batch_size,
                                               packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
         self.engine = engine_from_config(tokenizer, task, cfg, training=True, model=policy)
         self.generator = self.engine.generator  # None: HF generate on the policy; else e.g. a colocated vLLM engine
@@ -132,12 +133,15 @@ class GRPOModule(L.LightningModule):
         opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                 fused=True)
         total = self.cfg.trainer.max_steps * self.cfg.algorithm.ppo_epochs * self.cfg.algorithm.mini_batches
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio)
+        )
         return [opt], [sched]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["gearlab"] = {"iterations_done": self.iterations_done, "nonfinite_streak": self.nonfinite_streak,
-                                 "no_signal_streak": self.no_signal_streak, "totals": dict(self.totals), "assigner": self.assigner.state_dict(),
+                                 "no_signal_streak": self.no_signal_streak, "totals": dict(self.totals),
+                                 "assigner": self.assigner.state_dict(),
                                  "teacher": self.teacher.state_dict(), "config": _to_container(self.cfg)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -156,11 +160,14 @@ class GRPOModule(L.LightningModule):
         G = cfg.rollout.group_size
         rank = self.trainer.global_rank if self._trainer is not None else 0
         t0 = time.perf_counter()
-        # HF generate on a sharded policy: gather the weights once, not once per token (another engine holds its own copy)
+        # HF generate on a sharded policy: gather the weights once, not once per token (another engine holds its own
+        # copy)
         with gathered_for_generation(self.policy) if self.generator is None else contextlib.nullcontext():
             rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
                                       seed=step_seed(cfg.trainer.seed, it, rank),
-                                      with_teacher=self.assigner.teacher_context if needs_teacher(self.assigner) else False,
+                                      with_teacher=self.assigner.teacher_context if needs_teacher(
+                                          self.assigner
+                                      ) else False,
                                       group_offset=rank * len(batch["problems"]))
         if self.generator is not None:
             self.generator.release()  # e.g. vLLM sleeps: its GPU memory goes back to the update
@@ -173,8 +180,10 @@ class GRPOModule(L.LightningModule):
         in_forward = self._entropy_in_forward(on_policy)
         ppass, signals = None, {}
         if not in_forward:
-            ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy, teacher=self.teacher.model,
-                                                  options={"seed": step_seed(cfg.trainer.seed, it, rank), **self.assigner.signal_options()})
+            ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy,
+                                                  teacher=self.teacher.model,
+                                                  options={"seed": step_seed(cfg.trainer.seed, it, rank),
+                                                  **self.assigner.signal_options()})
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)
         if self.ref_signals is not None:
@@ -206,7 +215,8 @@ class GRPOModule(L.LightningModule):
         self.iterations_done = it + 1
         self.session_iterations = getattr(self, "session_iterations", 0) + 1
         # a stop request (trainer.stop_after, trainer.deadline, or Ctrl-C / SIGTERM caught by gearlab.trainer.train)
-        # ends the run at this iteration boundary; every rank must agree, or the ranks' collectives would no longer match
+        # ends the run at this iteration boundary; every rank must agree, or the ranks' collectives would no longer
+        # match
         stop = (0 < cfg.trainer.stop_after <= self.session_iterations or self.interrupted
                 or 0 < cfg.trainer.deadline <= time.time())
         if global_max_int(int(stop), self.device) and self.iterations_done < cfg.trainer.max_steps:
@@ -227,10 +237,15 @@ class GRPOModule(L.LightningModule):
     def _checked(self, adv: Tensor, rb: RolloutBatch) -> Tensor:
         adv = adv.to(self.device).float()
         if adv.shape != rb.response_ids.shape:
-            raise ValueError(f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected {tuple(rb.response_ids.shape)}")
+            raise ValueError(
+                f"assigner {self.assigner.name!r} returned advantages {tuple(adv.shape)}, expected "
+                f"{tuple(rb.response_ids.shape)}"
+            )
         return adv
 
-    def _update(self, rb: RolloutBatch, adv: Tensor | None, loss_mask: Tensor, it: int, seq_adv: Tensor | None = None) -> dict[str, float]:
+    def _update(
+        self, rb: RolloutBatch, adv: Tensor | None, loss_mask: Tensor, it: int, seq_adv: Tensor | None = None
+    ) -> dict[str, float]:
         """ppo_epochs × mini_batches optimizer steps over the rollout; returns averaged diagnostics.
 
         adv None (with ``seq_adv`` [B]): the credit is assigned inside the update, each micro-batch from the entropy
@@ -256,7 +271,9 @@ class GRPOModule(L.LightningModule):
                           for name, m in (("pg", loss_mask), ("full", rb.response_mask))}
                 opt.zero_grad(set_to_none=True)
                 finite = torch.ones((), device=self.device)
-                chunks = micro_batches(idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens)
+                chunks = micro_batches(
+                    idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens
+                )
                 # sharded ranks must run the same number of forward/backward passes: pad with empty ones
                 n_max = global_max_int(len(chunks), self.device)
                 for j in range(n_max):
@@ -268,7 +285,9 @@ class GRPOModule(L.LightningModule):
                         def hook(mb: RolloutBatch, ent: Tensor, mi: Tensor = mi) -> Tensor:
                             out = self.assigner.assign(mb, seq_adv[mi], {Signal.ENTROPY: ent})
                             if out.loss_mask is not None:
-                                raise ValueError(f"assigner {self.assigner.name!r} declared chunk_local but returned a loss mask")
+                                raise ValueError(
+                                    f"assigner {self.assigner.name!r} declared chunk_local but returned a loss mask"
+                                )
                             adv[mi] = self._checked(out.token_advantages, mb).detach()
                             for k, v in out.metrics.items():
                                 credit_logs.setdefault(k, []).append(float(v))
@@ -297,7 +316,9 @@ class GRPOModule(L.LightningModule):
                 opt.step()
                 sched.step()
         if seq_adv is not None:
-            self._forward_credit = CreditOutput(token_advantages=adv, metrics={k: sum(v) / len(v) for k, v in credit_logs.items()})
+            self._forward_credit = CreditOutput(
+                token_advantages=adv, metrics={k: sum(v) / len(v) for k, v in credit_logs.items()}
+            )
         return {k: sum(v) / len(v) for k, v in logs.items()}
 
     def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, counts: dict[str, tuple[Tensor, Tensor]],
@@ -308,13 +329,25 @@ class GRPOModule(L.LightningModule):
         and the loss (in-forward credit); then ``adv`` is ignored."""
         alg = self.cfg.algorithm
         dp = self.trainer.world_size if self._trainer is not None else 1
-        pg_counts = dict(global_tokens=counts["pg"][0], global_seqs=counts["pg"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
-        full_counts = dict(global_tokens=counts["full"][0], global_seqs=counts["full"][1], loss_scale_factor=alg.loss_scale_factor, dp_size=dp)
-        hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1], mb.response_len,
+        pg_counts = dict(
+            global_tokens=counts["pg"][0],
+            global_seqs=counts["pg"][1],
+            loss_scale_factor=alg.loss_scale_factor,
+            dp_size=dp
+        )
+        full_counts = dict(
+            global_tokens=counts["full"][0],
+            global_seqs=counts["full"][1],
+            loss_scale_factor=alg.loss_scale_factor,
+            dp_size=dp
+        )
+        hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1],
+                                 mb.response_len,
                                  packed=alg.packed)
         logp, ent = token_logprobs(hidden, self.policy.get_output_embeddings(), mb.response_ids,
                                    temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.signals.chunk_size,
-                                   with_entropy=alg.entropy_coef > 0 or assign is not None, compiled=self.cfg.trainer.compile)
+                                   with_entropy=alg.entropy_coef > 0 or assign is not None,
+                                   compiled=self.cfg.trainer.compile)
         if assign is not None:
             adv = assign(mb, ent.detach().float())
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
@@ -326,7 +359,9 @@ class GRPOModule(L.LightningModule):
                                          dual_clip=alg.dual_clip, agg=alg.agg, is_weights=is_w, **pg_counts)
         metrics = dict(metrics, pg_loss=loss.detach(), **mismatch)
         if alg.kl_coef > 0:
-            kl = grpo.aggregate(grpo.kl_penalty(logp, mb.ref_logprobs, alg.kl_kind), mb.response_mask, alg.agg, **full_counts)
+            kl = grpo.aggregate(
+                grpo.kl_penalty(logp, mb.ref_logprobs, alg.kl_kind), mb.response_mask, alg.agg, **full_counts
+            )
             loss = loss + alg.kl_coef * kl
             metrics["kl"] = kl.detach()
         if alg.entropy_coef > 0:
@@ -350,7 +385,9 @@ class GRPOModule(L.LightningModule):
                 f"(the last good checkpoint is kept)")
 
     # -- metrics --------------------------------------------------------------------------------
-    def _log_iteration(self, rb: RolloutBatch, seq_adv: Tensor, credit_metrics: dict[str, float], upd: dict[str, float]) -> None:
+    def _log_iteration(
+        self, rb: RolloutBatch, seq_adv: Tensor, credit_metrics: dict[str, float], upd: dict[str, float]
+    ) -> None:
         G = self.cfg.rollout.group_size
         correct = (rb.rewards >= 1.0 - 1e-6).float()
         self.m_reward.update(rb.rewards)
@@ -379,9 +416,14 @@ class GRPOModule(L.LightningModule):
         }
         data_crc = upd.pop("data_crc")  # fingerprint of this iteration's prompts: paired runs must agree
         out["train/data_crc"] = data_crc
-        out.update({(k if "/" in k else f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"): v for k, v in upd.items()})
+        out.update(
+            {(
+                k if "/" in k else f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"
+            ): v for k, v in upd.items()}
+        )
         out.update({f"credit/{k}": v for k, v in credit_metrics.items()})
-        out.update({f"rollout/{k}": v for k, v in rb.meta.get("rollout_stats", {}).items()})  # multi-turn: tool use, ends
+        # multi-turn: tool use, ends
+        out.update({f"rollout/{k}": v for k, v in rb.meta.get("rollout_stats", {}).items()})
         out = {k: float(v) for k, v in out.items()}
         self.last_metrics = out
         # written to the logger now, synchronously, with step = iteration: a checkpoint taken at the end of
@@ -390,7 +432,9 @@ class GRPOModule(L.LightningModule):
             self.trainer.logger.log_metrics(out, step=self.iterations_done - 1)
 
 
-    def _check_signal(self, rb: RolloutBatch, frac_zero_std: float, reward: float, credit_metrics: dict[str, float]) -> None:
+    def _check_signal(
+        self, rb: RolloutBatch, frac_zero_std: float, reward: float, credit_metrics: dict[str, float]
+    ) -> None:
         """Warn when this iteration had no learning signal: every group (on every rank) scored all its samples the
         same, so every GRPO advantage is 0 and the update is (up to KL / entropy terms) nothing. After
         ``trainer.no_signal_patience`` such iterations in a row, and again after as many more, a louder message

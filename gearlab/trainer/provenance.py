@@ -2,7 +2,8 @@
 tags ``versions.<name>`` so a comparison can tell when its runs were not made with the same software.
 
 Cheap on purpose (``importlib.metadata`` reads the installed distributions' metadata, nothing is
-imported) and imports only gearlab.cpu_kernels (no torch, no other gearlab module), so any module can use it without a cycle."""
+imported) and imports only gearlab.cpu_kernels (no torch, no other gearlab module), so any module can use it without a \
+cycle."""
 from __future__ import annotations
 
 import platform

@@ -48,7 +48,8 @@ FREE_ON_RESUME = frozenset({
     "trainer.checkpoint_every", "trainer.eval_every", "trainer.max_nonfinite", "trainer.no_signal_patience",
     "task.max_prompt_tokens", "trainer.resume",
     "trainer.output_dir", "trainer.run_name",
-    "algorithm.micro_batch_size", "algorithm.micro_batch_tokens", "signals.chunk_size", "trainer.activation_checkpointing",
+    "algorithm.micro_batch_size", "algorithm.micro_batch_tokens", "signals.chunk_size",
+    "trainer.activation_checkpointing",
     "eval.checkpoint", "eval.cache_start",
 })
 FREE_SECTIONS = ("warmstart.", "export.", "inspect.", "replay.", "compare.", "credit_eval.")
@@ -85,7 +86,8 @@ def _free(key: str) -> bool:
 
 
 def _open_dict(cfg: Config, path: str) -> bool:
-    """``path`` names a free-form dict of ``cfg`` (its entries are data), not a schema section (whose keys are fields)."""
+    """``path`` names a free-form dict of ``cfg`` (its entries are data), not a schema section (whose keys are \
+fields)."""
     node = OmegaConf.select(cfg, path) if path else None
     return isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
 
@@ -136,10 +138,13 @@ def check_resume(cfg: Config, rdir: Path) -> RunState:
         if key not in now and not _free(key) and _open_dict(cfg, parent):
             diffs.append(f"{key} (saved {_show(before)}, now unset)")
     if cfg.trainer.max_steps < state.saved_max_steps:
-        diffs.append(f"trainer.max_steps (saved {state.saved_max_steps}, now {cfg.trainer.max_steps}: it can only be raised)")
+        diffs.append(
+            f"trainer.max_steps (saved {state.saved_max_steps}, now {cfg.trainer.max_steps}: it can only be raised)"
+        )
     if diffs:
         more = f" and {len(diffs) - SHOWN} more" if len(diffs) > SHOWN else ""
-        raise ConfigError(f"run folder {rdir} was started with another configuration: {', '.join(diffs[:SHOWN])}{more}; "
+        raise ConfigError(f"run folder {rdir} was started with another configuration: "
+                          f"{', '.join(diffs[:SHOWN])}{more}; "
                           f"resume it with its saved values ({rdir / 'config.yaml'}), or start another run with "
                           f"trainer.run_name=NAME")
     return state
@@ -150,7 +155,8 @@ def check_engine(cfg: Config, state: RunState, rdir: Path) -> None:
     before = state.saved.get("rollout.engine")
     if state.exists and before is not None and before != cfg.rollout.engine:
         raise ConfigError(f"run folder {rdir} was started with another configuration: rollout.engine (saved {before}, "
-                          f"now {cfg.rollout.engine}: what auto resolves to here); resume it with rollout.engine={before}, "
+                          f"now {cfg.rollout.engine}: what auto resolves to here); resume it with "
+                          f"rollout.engine={before}, "
                           f"or start another run with trainer.run_name=NAME")
 
 
@@ -169,7 +175,9 @@ def pin_summary(rdir: Path, state: RunState) -> None:
     """Before an extension raises the saved trainer.max_steps: write into a ``summary.json`` that lacks it (written
     before it recorded one) the iterations it was written at, which its fallback would no longer give."""
     if state.summary is not None and "iterations_done" not in state.summary:
-        (rdir / "summary.json").write_text(json.dumps({**state.summary, "iterations_done": state.iterations_done}, indent=2))
+        (rdir / "summary.json").write_text(
+            json.dumps({**state.summary, "iterations_done": state.iterations_done}, indent=2)
+        )
 
 
 def record_extension(client: Any, run_id: str, before: int, after: int, cfg_yaml: str) -> None:

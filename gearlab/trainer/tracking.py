@@ -195,7 +195,8 @@ def make_logger(cfg: Config, run_dir: Path, *, model_name: str) -> GearlabMLFlow
     None on every process but global rank 0."""
     id_file = run_dir / "mlflow_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else None
-    tags = {"assigner": cfg.assigner.name, "assigner_base": cfg.assigner.base or cfg.assigner.name, "seed": str(cfg.trainer.seed), "task": cfg.task.name,
+    tags = {"assigner": cfg.assigner.name, "assigner_base": cfg.assigner.base or cfg.assigner.name,
+            "seed": str(cfg.trainer.seed), "task": cfg.task.name,
             "model": model_name, "git_sha": git_sha(), **dict(cfg.logging.tags)}
     if run_id is None:
         tags.update(version_tags())

@@ -152,7 +152,9 @@ class RunStop(StopSignals):
         if self.module is not None:
             self.module.interrupted = True
         if first:
-            log.warning("stop requested (%s): finishing this iteration and writing a checkpoint; Ctrl-C again aborts now",
+            log.warning((
+                "stop requested (%s): finishing this iteration and writing a checkpoint; Ctrl-C again aborts now"
+            ),
                         signal.Signals(signum).name)
 
 
@@ -237,7 +239,9 @@ class PeriodicEval(Callback):
         from gearlab.trainer.evaluation import cached_start_evaluation, evaluate_model
 
         if module.iterations_done == 0 and trainer.world_size == 1:
-            res = cached_start_evaluation(module.policy, module.tokenizer, self.task, self.cfg, self.cfg.model.name_or_path)
+            res = cached_start_evaluation(
+                module.policy, module.tokenizer, self.task, self.cfg, self.cfg.model.name_or_path
+            )
         else:
             res = evaluate_model(module.policy, module.tokenizer, self.task, self.cfg)
         k = self.cfg.eval.k
@@ -323,7 +327,8 @@ def train(cfg: Config) -> TrainResult:
     run_state = check_resume(cfg, rdir)  # a resumed run keeps its configuration: one line naming what differs
     if run_state.finished_for(cfg):  # nothing to train: touch nothing (a re-run would rewrite final/ and summary.json)
         summary = run_state.summary or {}
-        return TrainResult(rdir, summary.get("mlflow_run_id") or "", tracking_uri(cfg), dict(summary.get("metrics") or {}),
+        return TrainResult(rdir, summary.get("mlflow_run_id") or "", tracking_uri(cfg),
+                           dict(summary.get("metrics") or {}),
                            iterations_done=run_state.iterations_done, max_steps=run_state.iterations_done,
                            already_finished=True)
     ckpt_dir = rdir / "checkpoints"
@@ -355,7 +360,9 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
         from gearlab.rollout.decoder import supports
 
         if reason := supports(model):
-            raise ConfigError(f"key 'rollout.engine': fast decoding cannot run this model: {reason} (use rollout.engine=hf)")
+            raise ConfigError(
+                f"key 'rollout.engine': fast decoding cannot run this model: {reason} (use rollout.engine=hf)"
+            )
     check_engine(cfg, run_state, rdir)
     # config.yaml is the run's record, as its MLflow params: written when the run starts, and on resume left as it
     # is (keys free to differ, gearlab.trainer.resume, are not history) but for a raised trainer.max_steps
@@ -376,7 +383,9 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
         log.warning("extending the run from %d to %d iterations (trainer.max_steps raised)", run_state.saved_max_steps,
                     cfg.trainer.max_steps)
         if logger is not None:
-            record_extension(logger.experiment, logger.run_id, run_state.saved_max_steps, cfg.trainer.max_steps, cfg_yaml)
+            record_extension(
+                logger.experiment, logger.run_id, run_state.saved_max_steps, cfg.trainer.max_steps, cfg_yaml
+            )
     module = GRPOModule(cfg, model, tok, task, assigner)
     stop.attach(module)
     dm = PromptDataModule(task, prompts_per_step=cfg.rollout.prompts_per_step, num_steps=cfg.trainer.max_steps,
@@ -390,7 +399,8 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
         strategy=distributed.make_strategy(cfg), precision=cfg.trainer.precision,
-        max_epochs=1, max_steps=-1, logger=logger if logger is not None else False, callbacks=callbacks, log_every_n_steps=cfg.trainer.log_every,
+        max_epochs=1, max_steps=-1, logger=logger if logger is not None else False, callbacks=callbacks,
+        log_every_n_steps=cfg.trainer.log_every,
         enable_checkpointing=False, enable_progress_bar=cfg.trainer.progress_bar, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(rdir),
     )
@@ -407,7 +417,10 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
             log.warning("interrupted after %d of %d iterations; checkpoint %s — run the same command to resume",
                         module.iterations_done, cfg.trainer.max_steps, ckpt.last)
         else:
-            log.warning("stopped after %d iterations (trainer.stop_after / trainer.deadline); run the same command to resume", module.iterations_done)
+            log.warning(
+                "stopped after %d iterations (trainer.stop_after / trainer.deadline); run the same command to resume",
+                module.iterations_done
+            )
         if logger is not None:  # not FINISHED: a comparison must resume it, not skip it
             import mlflow
 

@@ -42,7 +42,9 @@ def test_other_alpha_kappa():
 def test_all_zero_advantages_stay_zero_and_empty_mask():
     out = credit.build("entropy_adv").assign(_batch(MASK), torch.zeros(3), {E: ENT})
     assert torch.equal(out.token_advantages, torch.zeros(3, 4))
-    out = credit.build("entropy_adv").assign(_batch([[0, 0], [0, 0]]), torch.tensor([1.0, -1.0]), {E: torch.zeros(2, 2)})
+    out = credit.build("entropy_adv").assign(
+        _batch([[0, 0], [0, 0]]), torch.tensor([1.0, -1.0]), {E: torch.zeros(2, 2)}
+    )
     assert torch.equal(out.token_advantages, torch.zeros(2, 2))
     assert out.metrics["entropy_adv/entropy_mean"] == 0.0
 

@@ -64,7 +64,9 @@ def test_ties_select_exactly_k_and_respect_the_order():
 def test_empty_mask_gives_zeros_and_no_selection():
     b = _batch([[0, 0, 0], [0, 0, 0]])
     for norm in ("paper", "trl"):
-        out = credit.build("entropy_fork", {"normaliser": norm}).assign(b, torch.tensor([1.0, -1.0]), {E: torch.zeros(2, 3)})
+        out = credit.build("entropy_fork", {"normaliser": norm}).assign(
+            b, torch.tensor([1.0, -1.0]), {E: torch.zeros(2, 3)}
+        )
         assert out.token_advantages.abs().sum() == 0
         assert out.loss_mask is None or not out.loss_mask.any()
         assert out.metrics["entropy_fork/frac_selected"] == 0.0
@@ -87,7 +89,9 @@ def test_micro_batch_scope_selects_per_row_chunk():
     assert full[:2].sum() == 4 and full[2:].sum() == 0
     assert full[0, 3:].all() and full[1, 3:].all()
     # micro_batch_size 2: two chunks of N = 10 → k = int(2.0 + 0.9999) = 2 each
-    micro = credit.build("entropy_fork", {"scope": "micro_batch", "micro_batch_size": 2}).assign(b, adv, {E: ent}).loss_mask
+    micro = credit.build(
+        "entropy_fork", {"scope": "micro_batch", "micro_batch_size": 2}
+    ).assign(b, adv, {E: ent}).loss_mask
     assert micro[:2].sum() == 2 and micro[2:].sum() == 2
     assert micro[0, 4] and micro[1, 4] and micro[2, 4] and micro[3, 4]  # 9.0/9.5 and 0.5/0.55
 

@@ -93,7 +93,8 @@ def make_batch(turns: bool = True) -> tuple[RolloutBatch, dict[Signal, torch.Ten
     H = torch.tensor([_pad(H01), _pad(H01), _pad(H2), _pad(H3), _pad(H01)], dtype=torch.float32)
     batch = RolloutBatch(prompt_ids=torch.ones(5, 2, dtype=torch.long), prompt_mask=torch.ones(5, 2, dtype=torch.long),
                          response_ids=torch.ones(5, T, dtype=torch.long),
-                         response_mask=torch.tensor(resp, dtype=torch.bool), attention_mask=torch.tensor(attn, dtype=torch.bool),
+                         response_mask=torch.tensor(resp, dtype=torch.bool), attention_mask=torch.tensor(attn,
+                         dtype=torch.bool),
                          group_ids=torch.tensor([0, 0, 1, 1, 2]), rewards=torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]),
                          turn_ids=turn_ids if turns else None)
     return batch, {Signal.TEACHER_KL: d, Signal.ENTROPY: H}
@@ -116,7 +117,8 @@ def segs(*ranges):
 
 
 def assert_close_to(actual, expected, atol=1e-6):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64),
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected,
+                               dtype=torch.float64),
                                atol=atol, rtol=0.0)
 
 
@@ -281,7 +283,8 @@ def test_deterministic_and_row_independent():
 def _one_seq(lp_minus_tlp, H):
     n = len(lp_minus_tlp)
     batch = RolloutBatch(prompt_ids=torch.ones(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.long),
-                         response_ids=torch.ones(1, n, dtype=torch.long), response_mask=torch.ones(1, n, dtype=torch.bool),
+                         response_ids=torch.ones(1, n, dtype=torch.long), response_mask=torch.ones(1, n,
+                         dtype=torch.bool),
                          group_ids=torch.tensor([0]), rewards=torch.tensor([1.0]))
     tlp = torch.full((1, n), -2.0)
     sig = {Signal.LOGPROBS: tlp + torch.tensor([lp_minus_tlp]), Signal.TEACHER_LOGPROBS: tlp,
@@ -389,7 +392,8 @@ def test_teacher_entropy_source_and_needs():
     assert_close_to(out.token_advantages, ref.token_advantages)
     assert GEARAssigner.needs == {Signal.TEACHER_KL, Signal.ENTROPY}
     assert v1({"exclude_answer_span": True}).needs == {Signal.TEACHER_KL, Signal.ENTROPY, Signal.REASONING_MASK}
-    assert credit.build("gear").needs == {Signal.TEACHER_KL, Signal.ENTROPY, Signal.REASONING_MASK}  # guard on by default
+    # guard on by default
+    assert credit.build("gear").needs == {Signal.TEACHER_KL, Signal.ENTROPY, Signal.REASONING_MASK}
     with pytest.raises(ValueError, match="teacher_entropy"):
         a.assign(batch, ADV, sig)
 
@@ -587,7 +591,8 @@ def test_random_keeps_count_lengths_and_weights_moves_the_onsets():
         gear_segs = seg_list(g.last_segments[r])
         ctrl_segs = seg_list(a.last_segments[r])
         assert len(ctrl_segs) == len(gear_segs) == 2
-        assert sorted(e - s + 1 for s, e in ctrl_segs) == sorted(e - s + 1 for s, e in gear_segs)  # whole, no truncation
+        # whole, no truncation
+        assert sorted(e - s + 1 for s, e in ctrl_segs) == sorted(e - s + 1 for s, e in gear_segs)
         assert ctrl_segs != gear_segs  # moved
         # each segment carries its own GEAR weight (length and weight move together); same in-segment multiset
         assert _pairs(a, r, batch, sig) == _pairs(g, r, batch, sig)
@@ -621,7 +626,9 @@ def test_random_is_seeded_per_row_not_per_batch():
                        response_mask=torch.cat([batch.response_mask, torch.zeros(4, 5, dtype=torch.bool)], 1),
                        attention_mask=torch.cat([batch.attention_mask, torch.zeros(4, 5, dtype=torch.bool)], 1),
                        turn_ids=torch.cat([batch.turn_ids, batch.turn_ids[:, -1:].expand(4, 5)], 1))
-    w, _, _, _ = run_ctrl(wide, {k: torch.cat([v, torch.zeros(4, 5)], 1) for k, v in sig.items()}, segmentation="random")
+    w, _, _, _ = run_ctrl(
+        wide, {k: torch.cat([v, torch.zeros(4, 5)], 1) for k, v in sig.items()}, segmentation="random"
+    )
     assert torch.equal(w.last_segments[:, :TC], a.last_segments)
     # another control_seed places them elsewhere
     s, _, _, _ = run_ctrl(batch, sig, segmentation="random", control_seed=1)
@@ -642,8 +649,10 @@ def test_random_keeps_gears_promises():
 
 
 @pytest.mark.parametrize("opts", [{"segmentation": "random"}, {"segmentation": "fixed"},
-                                  {"segmentation": "fixed", "fixed_len": 3}, {"segmentation": "random", "control_seed": 7},
-                                  {"segmentation": "random", "entropy_rule": "high_continues", "normalisation": "sequence"}])
+                                  {"segmentation": "fixed", "fixed_len": 3}, {"segmentation": "random",
+                                  "control_seed": 7},
+                                  {"segmentation": "random", "entropy_rule": "high_continues",
+                                  "normalisation": "sequence"}])
 def test_controls_pass_the_contract_kit(opts):
     from gearlab.credit.contract import check_assigner
 
@@ -671,7 +680,8 @@ def test_control_variants_resolve_and_pass_check_assigner():
     assert "FAIL" not in out.stdout and "gear_random: 9/9 checks passed" in out.stdout
 
 
-@pytest.mark.parametrize("opts, match", [({"segmentation": "shuffled"}, "segmentation"), ({"fixed_len": -1}, "fixed_len"),
+@pytest.mark.parametrize("opts, match", [({"segmentation": "shuffled"}, "segmentation"), ({"fixed_len": -1},
+                                         "fixed_len"),
                                          ({"control_seed": 1.5}, "control_seed")])
 def test_control_option_validation(opts, match):
     with pytest.raises(ValueError, match=match):
@@ -723,7 +733,9 @@ def test_tanh_hand_values():
     # with the default per-sequence normalisation: w·N/Σw, N = 30, 28, 24
     _, out, _, _ = run_tanh()
     for r in range(3):
-        assert_close_to(out.token_advantages[r], [x * float(ADV_C[r]) for x in normed(tanh_row(r, batch, sig, SCALE[r]))])
+        assert_close_to(
+            out.token_advantages[r], [x * float(ADV_C[r]) for x in normed(tanh_row(r, batch, sig, SCALE[r]))]
+        )
     assert out.metrics["gear_clip_frac"] == 0.0
 
 
@@ -737,7 +749,8 @@ def test_departure_size_sets_the_segment_weight():
         d[r, 7] = p
     H = torch.ones(B, n)
     batch = RolloutBatch(prompt_ids=torch.ones(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
-                         response_ids=torch.ones(B, n, dtype=torch.long), response_mask=torch.ones(B, n, dtype=torch.bool),
+                         response_ids=torch.ones(B, n, dtype=torch.long), response_mask=torch.ones(B, n,
+                         dtype=torch.bool),
                          group_ids=torch.zeros(B, dtype=torch.long), rewards=torch.zeros(B))
     sig = {Signal.TEACHER_KL: d, Signal.ENTROPY: H, Signal.REASONING_MASK: torch.ones(B, n)}
     for sign in (-1.0, 1.0):
@@ -760,7 +773,8 @@ def test_aligned_response_keeps_its_grpo_advantage():
     """The reproduction of the audit: a response that never departs (every d ≤ 0.01 nats) is not reweighted."""
     d = torch.tensor([[.001, .004, .002, .010, .003, .001, .002, .001]])
     batch = RolloutBatch(prompt_ids=torch.ones(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.long),
-                         response_ids=torch.ones(1, 8, dtype=torch.long), response_mask=torch.ones(1, 8, dtype=torch.bool),
+                         response_ids=torch.ones(1, 8, dtype=torch.long), response_mask=torch.ones(1, 8,
+                         dtype=torch.bool),
                          group_ids=torch.tensor([0]), rewards=torch.tensor([1.0]))
     H = torch.rand(1, 8, generator=torch.Generator().manual_seed(0))
     sig = {Signal.TEACHER_KL: d, Signal.ENTROPY: H, Signal.REASONING_MASK: torch.ones(1, 8)}
@@ -851,7 +865,8 @@ def test_clip_fraction_on_heavy_tailed_divergences():
     gen = torch.Generator().manual_seed(0)
     B, n = 64, 48
     batch = RolloutBatch(prompt_ids=torch.ones(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
-                         response_ids=torch.ones(B, n, dtype=torch.long), response_mask=torch.ones(B, n, dtype=torch.bool),
+                         response_ids=torch.ones(B, n, dtype=torch.long), response_mask=torch.ones(B, n,
+                         dtype=torch.bool),
                          group_ids=torch.arange(B) // 8, rewards=(torch.arange(B) % 3 == 0).float())
     from gearlab.core.grpo import group_advantages
 

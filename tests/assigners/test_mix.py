@@ -1,4 +1,5 @@
-"""The `mix` assigner (docs/credit/mix.md): a weighted sum of other methods' token advantages, one signal computation."""
+"""The `mix` assigner (docs/credit/mix.md): a weighted sum of other methods' token advantages, one signal \
+computation."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,10 @@ from gearlab.credit.options import OptionError
 from assigners.mix import MixAssigner
 
 CONF = Path(__file__).parents[2] / "conf" / "assigner"
-TASK = {False: type("Single", (), {"multi_turn": False, "name": "s"})(), True: type("Multi", (), {"multi_turn": True, "name": "m"})()}
+TASK = {
+    False: type("Single", (), {"multi_turn": False, "name": "s"})(),
+    True: type("Multi", (), {"multi_turn": True, "name": "m"})()
+}
 
 
 def _run(*assigners, seed: int = 0):
@@ -85,7 +89,9 @@ def test_promise_rules():
     assert neg.preserves_mass and not neg.preserves_sign  # sums to 1, but gear's credit is reversed
     assert not credit.build("mix", {"components": [{"method": "oar_g", "weight": 0.5}, "gear"]}).preserves_mass
     assert not build_method("gear_rlsd").preserves_mass  # weights sum to 1, but rlsd keeps no mass
-    assert credit.build("mix", {"components": [{"method": "grpo", "weight": 0.5}, {"method": "gear", "weight": 0.5}]}).preserves_mass
+    assert credit.build(
+        "mix", {"components": [{"method": "grpo", "weight": 0.5}, {"method": "gear", "weight": 0.5}]}
+    ).preserves_mass
     t = credit.build("mix", {"components": ["mt_grpo", "grpo"]})
     assert t.requires_turns and not t.keeps_zero_groups
     with pytest.raises(ValueError, match="single-turn"):
@@ -122,7 +128,9 @@ def test_bad_components_name_the_key(components, text):
 
 def test_loss_mask_is_the_union():
     ef1 = {"method": "entropy_fork", "weight": 0.5}
-    ef2 = {"method": "entropy_fork", "weight": 0.5, "options": {"rho": 0.3, "scope": "micro_batch", "micro_batch_size": 4}}
+    ef2 = {
+        "method": "entropy_fork", "weight": 0.5, "options": {"rho": 0.3, "scope": "micro_batch", "micro_batch_size": 4}
+    }
     mix = credit.build("mix", {"components": [ef1, ef2]})
     assert mix.labels == ["entropy_fork#0", "entropy_fork#1"]
     a1, a2 = credit.build("entropy_fork"), credit.build("entropy_fork", ef2["options"])

@@ -30,7 +30,8 @@ def test_bilevel_hand_computed():
     torch.testing.assert_close(w[:, :4], torch.tensor([[0.1, 2 / 3, 4 / 3, 2.0]]) * (4 / 4.1), rtol=0, atol=1e-6)
     assert w[0, 4] == 1.0
     # β = 2, q = 0.25 → h = 0.75 → τ = 0 + 0.75·(1/3) = 0.25; floor 0.5
-    # low: 0 → max(0, 0.5) = 0.5;  high: 1/3 → 1 + 2(1/12)/(3/4) = 1 + 2/9;  2/3 → 1 + 2(5/12)/(3/4) = 1 + 10/9;  1 → 1 + 2 = 3
+    # low: 0 → max(0, 0.5) = 0.5;  high: 1/3 → 1 + 2(1/12)/(3/4) = 1 + 2/9;  2/3 → 1 + 2(5/12)/(3/4) = 1 + 10/9;  1 → 1
+    # + 2 = 3
     w = bilevel_weights(s, m, q=0.25, beta=2.0, floor=0.5, sum_to_L=False)
     torch.testing.assert_close(w[:, :4], torch.tensor([[0.5, 1 + 2 / 9, 1 + 10 / 9, 3.0]]), rtol=0, atol=1e-6)
 
@@ -131,7 +132,9 @@ def test_defaults_are_the_released_ones_and_the_old_ones_stay_reachable(name, pf
     from gearlab.credit.methods import build_method, method_spec
 
     a = credit.build(name)
-    assert (a.q, a.beta, a.floor, a.sum_to_L, a.pfinal_mode, a.answer_anchor) == (0.25, 1.0, 0.1, True, pfinal_mode, "value")
+    assert (
+        a.q, a.beta, a.floor, a.sum_to_L, a.pfinal_mode, a.answer_anchor
+    ) == (0.25, 1.0, 0.1, True, pfinal_mode, "value")
     assert build_method(name).q == 0.25 and build_method(name).pfinal_mode == pfinal_mode  # the YAML sets none
     for label in (f"{name}:q=0.5,pfinal_mode=last", f"{name}_legacy"):
         old = build_method(label)
@@ -145,5 +148,7 @@ def test_defaults_are_the_released_ones_and_the_old_ones_stay_reachable(name, pf
                      group_ids=torch.zeros(1, dtype=torch.long), rewards=torch.zeros(1))
     sig = a.needs - {Signal.REASONING_MASK}
     for obj, q in ((a, 0.25), (build_method(f"{name}_legacy"), 0.5)):
-        out = obj.assign(b, torch.tensor([1.0]), {**{k: s for k in sig}, Signal.REASONING_MASK: m.float()}).token_advantages
+        out = obj.assign(
+            b, torch.tensor([1.0]), {**{k: s for k in sig}, Signal.REASONING_MASK: m.float()}
+        ).token_advantages
         torch.testing.assert_close(out, bilevel_weights(s, m, q=q))

@@ -49,7 +49,9 @@ def test_coef_and_outcome_mix():
 def test_teacher_equal_to_student_gives_zero_and_empty_mask():
     out = credit.build("opsd").assign(_batch(MASK), torch.zeros(2), {TL: STUDENT, SL: STUDENT})
     assert torch.equal(out.token_advantages, torch.zeros(2, 4))
-    out = credit.build("opsd").assign(_batch([[0, 0], [0, 0]]), torch.ones(2), {TL: torch.zeros(2, 2), SL: torch.zeros(2, 2)})
+    out = credit.build("opsd").assign(
+        _batch([[0, 0], [0, 0]]), torch.ones(2), {TL: torch.zeros(2, 2), SL: torch.zeros(2, 2)}
+    )
     assert torch.equal(out.token_advantages, torch.zeros(2, 2))
     assert out.metrics["opsd/delta_mean"] == 0.0
 

@@ -40,7 +40,9 @@ def test_hand_computed_reweighting_constant_lambda():
     f = lambda d: 0.5 + 0.5 * min(max(math.exp(d), 0.8), 1.2)  # noqa: E731
     want = torch.tensor([[2 * f(0.1), 2 * f(-0.1), 2.2, 1.8], [-f(-0.1), -1.1, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(out.token_advantages, want)
-    assert want[0, 0].item() == pytest.approx(2.10517, abs=1e-5) and want[1, 0].item() == pytest.approx(-0.952419, abs=1e-6)
+    assert want[0, 0].item() == pytest.approx(2.10517, abs=1e-5) and want[1, 0].item() == pytest.approx(
+        -0.952419, abs=1e-6
+    )
     assert out.metrics["rlsd/lambda"] == 0.5
     # 9 valid tokens; w < 0.8: row 0 t3 (e^-1) → 1/9; w > 1.2: row 0 t2 (e), row 1 t1 (e) → 2/9
     assert out.metrics["rlsd/clip_low_frac"] == pytest.approx(1 / 9)
@@ -96,7 +98,9 @@ def test_state_dict_round_trip_resumes_exactly():
     b = credit.build("rlsd", {"decay_steps": None})
     b.load_state_dict(torch.load(buf))
     assert b.current_lambda() == a.current_lambda() == pytest.approx(0.5 * (1 - 18 / 40))
-    assert torch.equal(a.assign(_batch(MASK), ADV, SIG).token_advantages, b.assign(_batch(MASK), ADV, SIG).token_advantages)
+    assert torch.equal(
+        a.assign(_batch(MASK), ADV, SIG).token_advantages, b.assign(_batch(MASK), ADV, SIG).token_advantages
+    )
     c = credit.build("rlsd")
     c.load_state_dict({})  # an old checkpoint without assigner state starts from step 0
     assert c.current_lambda() == pytest.approx(0.5 * 59 / 60)

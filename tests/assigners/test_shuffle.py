@@ -93,7 +93,8 @@ def test_row_seeds_are_gears_and_follow_the_documented_hash():
     # the scheme of docs/credit/controls.md, written out for row 3
     p = b.prompt_ids[3][b.prompt_mask[3].bool()].tolist()
     r = b.response_ids[3][b.attention_mask[3].bool()].tolist()
-    h = hashlib.blake2b(struct.pack("<q", 5) + struct.pack(f"<q{len(p)}q", len(p), *p) + struct.pack(f"<q{len(r)}q", len(r), *r),
+    h = hashlib.blake2b(struct.pack("<q", 5) + struct.pack(f"<q{len(p)}q", len(p), *p) + struct.pack(f"<q{len(r)}q",
+                        len(r), *r),
                         digest_size=8, person=b"gearlab-control")
     assert seeds[3] == int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
@@ -124,7 +125,9 @@ def test_loss_mask_moves_with_the_credit():
 
 def test_metrics_are_the_inner_ones_prefixed():
     inner, out, _, _ = _pair("gear", 0)
-    assert out.metrics == {f"inner/{k}": v for k, v in inner.metrics.items()} and "inner/segments_per_seq" in out.metrics
+    assert out.metrics == {
+        f"inner/{k}": v for k, v in inner.metrics.items()
+    } and "inner/segments_per_seq" in out.metrics
 
 
 def test_forwards_needs_promises_teacher_and_hooks():
@@ -179,7 +182,8 @@ def test_bad_options_name_their_key(opts, key):
     assert e.value.key == key, str(e.value)
 
 
-@pytest.mark.parametrize("opts", [{}, {"of": "grpo"}, {"of": "gear_random"}, {"of": "gear_fixed"}, {"of": "entropy_fork"},
+@pytest.mark.parametrize("opts", [{}, {"of": "grpo"}, {"of": "gear_random"}, {"of": "gear_fixed"},
+                                  {"of": "entropy_fork"},
                                   {"of": "mt_grpo"}, {"of": "rlsd"}, {"of": "gear", "control_seed": 9}])
 def test_shuffle_passes_the_contract_kit(opts):
     checks = check_assigner("shuffle", opts)

@@ -32,7 +32,9 @@ def _run(tmp_path, model_dir, name, assigners, seeds, *extra):
 
 def _histories(client, run_id, prefix=("train/", "eval/", "update/", "credit/")):
     keys = [k for k in client.get_run(run_id).data.metrics if k.startswith(prefix)]
-    return {k: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, k), key=lambda m: m.step)] for k in keys}
+    return {
+        k: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, k), key=lambda m: m.step)] for k in keys
+    }
 
 
 def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
@@ -81,7 +83,9 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
     assert parent.data.tags["start_sha256"] == weights_digest(tiny_model_dir)
     other = make_tiny(tmp_path / "other", seed=1)
     assert weights_digest(other) != weights_digest(tiny_model_dir) and weights_digest(tmp_path) is None
-    with pytest.raises(ConfigError, match="key 'model.name_or_path': the starting weights .* are not those comparison 'pair'"):
+    with pytest.raises(
+        ConfigError, match="key 'model.name_or_path': the starting weights .* are not those comparison 'pair'"
+    ):
         _run(tmp_path, other, "pair", "[grpo,entropy_adv]", "[0,1]")
 
 
@@ -124,14 +128,21 @@ def test_a_crashed_child_is_recorded_and_the_comparison_goes_on(tmp_path, tiny_m
     assert rows["crashy"]["n"] == 1 and rows["grpo"]["n"] == 2 and rows["crashy"]["diff_n"] == 1
 
 
-def test_a_time_limited_comparison_stops_resumably_and_a_lost_checkpoint_restarts_clean(tmp_path, tiny_model_dir, capsys):
+def test_a_time_limited_comparison_stops_resumably_and_a_lost_checkpoint_restarts_clean(
+    tmp_path, tiny_model_dir, capsys
+):
     """compare.max_minutes: queued children are not started once it has passed; a child past trainer.deadline stops
-    at an iteration boundary (as for trainer.stop_after). A store moved without the child's folder (another machine) restarts that child from
+    at an iteration boundary (as for trainer.stop_after). A store moved without the child's folder (another machine) \
+restarts that child from
     iteration 0 and deletes its stale MLflow run, so the report holds one complete run per (method, seed)."""
     out, _ = _run(tmp_path, tiny_model_dir, "limit", "[grpo]", "[0,1]", "compare.max_minutes=1e-9")
-    assert out["interrupted"] and out["stopped"] == ["grpo-s0"] and not (tmp_path / "limit" / "grpo-s0" / "checkpoints").exists()
+    assert out["interrupted"] and out["stopped"] == ["grpo-s0"] and not (
+        tmp_path / "limit" / "grpo-s0" / "checkpoints"
+    ).exists()
     # with parallel workers the queued children are cancelled, not recorded as failed runs
-    out, _ = _run(tmp_path, tiny_model_dir, "limit", "[grpo,gear]", "[0,1,2]", "compare.max_minutes=1e-9", "compare.workers=2")
+    out, _ = _run(
+        tmp_path, tiny_model_dir, "limit", "[grpo,gear]", "[0,1,2]", "compare.max_minutes=1e-9", "compare.workers=2"
+    )
     assert out["interrupted"] and out["failed"] == [] and out["stopped"]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("compare/limit")
@@ -139,7 +150,9 @@ def test_a_time_limited_comparison_stops_resumably_and_a_lost_checkpoint_restart
     out, _ = _run(tmp_path, tiny_model_dir, "limit", "[grpo]", "[0,1]", "trainer.stop_after=1")  # one iteration in
     assert out["interrupted"] and out["stopped"] == ["grpo-s0"]
     (stale,) = [r for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags]
-    assert stale.info.status == "KILLED" and [m.step for m in client.get_metric_history(stale.info.run_id, "train/reward")] == [0]
+    assert stale.info.status == "KILLED" and [
+        m.step for m in client.get_metric_history(stale.info.run_id, "train/reward")
+    ] == [0]
     import shutil
 
     shutil.rmtree(tmp_path / "limit" / "grpo-s0")  # the checkpoint did not travel with the store
@@ -148,7 +161,9 @@ def test_a_time_limited_comparison_stops_resumably_and_a_lost_checkpoint_restart
     assert out["failed"] == [] and not out.get("interrupted")
     assert f"grpo-s0: no local checkpoint for its unfinished MLflow run {stale.info.run_id}" in capsys.readouterr().out
     kids = [r for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags]
-    assert sorted(r.data.tags["seed"] for r in kids) == ["0", "1"] and stale.info.run_id not in {r.info.run_id for r in kids}
+    assert sorted(
+        r.data.tags["seed"] for r in kids
+    ) == ["0", "1"] and stale.info.run_id not in {r.info.run_id for r in kids}
     for r in kids:
         assert r.info.status == "FINISHED"
         assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "train/reward")) == [0, 1, 2]
@@ -159,7 +174,8 @@ def test_report_from_a_remote_tracking_server(tmp_path, tiny_model_dir, mlflow_s
     out, _ = _run(tmp_path, tiny_model_dir, "remote", "[grpo,entropy_adv]", "[0]", "trainer.max_steps=2")
     assert out["failed"] == []
     env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server)
-    rep = subprocess.run([sys.executable, "-m", "gearlab.cli", "report", "remote", f"trainer.output_dir={tmp_path / 'elsewhere'}"],
+    rep = subprocess.run([sys.executable, "-m", "gearlab.cli", "report", "remote",
+                         f"trainer.output_dir={tmp_path / 'elsewhere'}"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert rep.returncode == 0, rep.stderr
     assert "entropy_adv" in rep.stdout and (tmp_path / "elsewhere" / "remote" / "report" / "report.md").is_file()
@@ -176,8 +192,10 @@ def test_t_interval_golden_values():
 def test_replay_reuses_the_cached_rollouts(tmp_path, tiny_model_dir):
     from gearlab.commands.replay import load_rollouts, replay
 
-    over = [f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", f"replay.rollouts={tmp_path / 'r.pt'}",
-            "replay.prompts=3", "rollout.group_size=4", "rollout.max_new_tokens=10", "replay.assigners=[grpo,gear,entropy_fork]"]
+    over = [f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
+            f"replay.rollouts={tmp_path / 'r.pt'}",
+            "replay.prompts=3", "rollout.group_size=4", "rollout.max_new_tokens=10",
+            "replay.assigners=[grpo,gear,entropy_fork]"]
     first = replay(load_config(over))
     rb, problems, info = load_rollouts(tmp_path / "r.pt")
     assert rb.batch_size == 12 and len(problems) == 3 and info["group_size"] == 4
@@ -187,7 +205,9 @@ def test_replay_reuses_the_cached_rollouts(tmp_path, tiny_model_dir):
     assert torch.equal(load_rollouts(tmp_path / "r.pt")[0].response_ids, rb.response_ids)
     assert m1.keys() == m2.keys()
     # a metric that is undefined on this batch (NaN) must be undefined on the replay too, not excuse a difference
-    assert [k for k in m1 if not (m1[k] == pytest.approx(m2[k], abs=1e-9) or (math.isnan(m1[k]) and math.isnan(m2[k])))] == []
+    assert [
+        k for k in m1 if not (m1[k] == pytest.approx(m2[k], abs=1e-9) or (math.isnan(m1[k]) and math.isnan(m2[k])))
+    ] == []
     assert m1["sign_diff_vs_grpo/gear"] == 0.0 and "top10_share/entropy_fork" in m1
     assert first["sequences"] == 12
 
@@ -196,7 +216,8 @@ def test_replay_reuses_the_cached_rollouts(tmp_path, tiny_model_dir):
 
 def _fake_comparison(tmp_path, name, children, *, baseline="grpo"):
     """A comparison as ``gearlab compare`` records it, made directly with an MlflowClient. children:
-    {(assigner, seed): (final eval/greedy_accuracy, train/accuracy curve, extra tags)}; returns (uri, client, parent id)."""
+    {(assigner, seed): (final eval/greedy_accuracy, train/accuracy curve, extra tags)}; returns (uri, client, parent \
+id)."""
     from gearlab.trainer.provenance import version_tags
     from gearlab.trainer.tracking import ensure_experiment
 
@@ -291,7 +312,9 @@ def test_report_is_the_parent_runs_description_and_the_summary_opens_the_runs(tm
     assert client.get_run(pid).data.tags["mlflow.note.content"] == rep.markdown_path.read_text()
     exp_id = client.get_experiment_by_name("compare/desc").experiment_id
     monkeypatch.chdir(tmp_path)
-    cfg = load_config([f"trainer.output_dir={tmp_path}", "compare.name=desc", "task=arith_hard", "rollout.group_size=4"])
+    cfg = load_config(
+        [f"trainer.output_dir={tmp_path}", "compare.name=desc", "task=arith_hard", "rollout.group_size=4"]
+    )
     lines = compare_summary(cfg).splitlines()
     assert lines[1] == (f"look at them: mlflow ui --backend-store-uri sqlite:///mlflow.db, then open "
                         f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning  "
@@ -330,7 +353,9 @@ def test_report_shows_the_start_and_the_paired_change_from_it(tmp_path):
     paired change since, with its t-interval: does the method learn at all?"""
     from gearlab.commands.report import build_report
 
-    finals = {("grpo", 0): 0.30, ("grpo", 1): 0.40, ("grpo", 2): 0.20, ("gear", 0): 0.10, ("gear", 1): 0.20, ("gear", 2): 0.30}
+    finals = {
+        ("grpo", 0): 0.30, ("grpo", 1): 0.40, ("grpo", 2): 0.20, ("gear", 0): 0.10, ("gear", 1): 0.20, ("gear", 2): 0.30
+    }
     starts = {0: 0.20, 1: 0.30, 2: 0.20}
     uri, client, pid = _fake_comparison(tmp_path, "learn", {k: (v, [0.1, 0.2], _tags()) for k, v in finals.items()})
     for r in client.search_runs([client.get_experiment_by_name("compare/learn").experiment_id]):
@@ -379,7 +404,8 @@ def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, caps
         client = mlflow.MlflowClient(f"sqlite:///{tmp_path / d / 'mlflow.db'}")
         exp = client.get_experiment_by_name("compare/pool")
         hist[d] = {(r.data.tags["assigner"], r.data.tags["seed"]): _histories(client, r.info.run_id, (
-                       "train/reward", "train/response_len", "eval/", "update/pg_loss", "update/grad_norm", "update/clipfrac"))
+                       "train/reward", "train/response_len", "eval/", "update/pg_loss", "update/grad_norm",
+                       "update/clipfrac"))
                    for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags}
     assert len(hist["par"]) == 4 and hist["par"] == hist["seq"]
     h = hist["seq"][("gear", "1")]
@@ -400,13 +426,17 @@ def test_grid_expands_into_methods_with_their_own_runs(tmp_path):
     names = methods_of(cfg)
     assert names == ["grpo", "gear:q_on=0.8,beta=2", "gear:q_on=0.95,beta=2", "gear_random"]
     children = plan(cfg, [], "m", "p", names)
-    assert [c.label for c in children[:4]] == ["grpo-s0", "gear:q_on=0.8,beta=2-s0", "gear:q_on=0.95,beta=2-s0", "gear_random-s0"]
+    assert [c.label for c in children[:4]] == [
+        "grpo-s0", "gear:q_on=0.8,beta=2-s0", "gear:q_on=0.95,beta=2-s0", "gear_random-s0"
+    ]
     child = load_config([o for o in children[2].overrides if not o.startswith("model.")])
     # the child's run is its own method (tag `assigner` = the label) built from gear with the grid's options
     assert (child.assigner.name, child.assigner.base) == ("gear:q_on=0.95,beta=2", "gear")
     assert child.assigner.options.q_on == 0.95 and child.assigner.options.beta == 2
     rnd = load_config([o for o in children[3].overrides if not o.startswith("model.")])
-    assert (rnd.assigner.name, rnd.assigner.base, rnd.assigner.options.segmentation) == ("gear_random", "gear", "random")
+    assert (
+        rnd.assigner.name, rnd.assigner.base, rnd.assigner.options.segmentation
+    ) == ("gear_random", "gear", "random")
     # the metric's name as MLflow stores it ("@" is not allowed there): the one name logged, looked up and documented
     assert primary_metric(cfg) == "eval/avg_at_4" and primary_metric(load_config(["eval.k=8"])) == "eval/avg_at_8"
     assert primary_metric(load_config(["compare.metric=eval/pass@4"])) == "eval/pass_at_4"

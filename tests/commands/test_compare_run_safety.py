@@ -50,7 +50,8 @@ def _restore_sigint() -> None:
 def _start_and_signal(args: list[str], first_ckpt_of: Path, sig: int, *, group: bool = False) -> tuple[int, str, str]:
     """Run `gearlab ARGS`, send ``sig`` once ``first_ckpt_of`` holds a checkpoint (to the process group with ``group``,
     as a terminal's Ctrl-C does), and return (exit code, stdout, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "gearlab.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "gearlab.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=_restore_sigint)
     last = first_ckpt_of / "checkpoints" / "last.ckpt"
     deadline = time.time() + 240
@@ -112,7 +113,8 @@ def test_sigterm_stops_a_comparison_and_a_changed_config_is_refused(tmp_path, ti
 @pytest.mark.slow
 def test_ctrl_c_stops_a_parallel_comparison_without_starting_queued_children(tmp_path, tiny_model_dir):
     """workers=2: a terminal's Ctrl-C (SIGINT to the whole process group) reaches the workers once, through the
-    comparison: both running children stop at a boundary with a checkpoint, the two queued ones never start, exit 130."""
+    comparison: both running children stop at a boundary with a checkpoint, the two queued ones never start, exit \
+130."""
     base = _base(tmp_path, tiny_model_dir, "trainer.max_steps=50", "trainer.checkpoint_every=1", "eval.num_problems=0")
     args = ["compare", *base, "name=pc", "assigners=[grpo,gear]", "seeds=[0,1]", "workers=2"]
     code, out, err = _start_and_signal(args, tmp_path / "pc" / "grpo-s0", signal.SIGINT, group=True)

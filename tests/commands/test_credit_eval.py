@@ -39,10 +39,13 @@ def planted_rollouts(tokenizer, path):
     assert texts == COMPLETIONS
     rewards = torch.tensor([task.reward(problem, t) for t in texts])
     assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
-    rb = RolloutBatch(prompt_ids=pids.repeat(G, 1), prompt_mask=pmask.repeat(G, 1), response_ids=resp, response_mask=mask,
+    rb = RolloutBatch(prompt_ids=pids.repeat(G, 1), prompt_mask=pmask.repeat(G, 1), response_ids=resp,
+                      response_mask=mask,
                       group_ids=torch.zeros(G, dtype=torch.long), rewards=rewards,
                       meta={"answers": [problem.answer] * G, "texts": texts})
-    save_rollouts(path, rb, [problem], {"model": "planted", "task": "arith", "group_size": G, "seed": 0, "temperature": 1.0})
+    save_rollouts(
+        path, rb, [problem], {"model": "planted", "task": "arith", "group_size": G, "seed": 0, "temperature": 1.0}
+    )
     return rb
 
 
@@ -94,7 +97,9 @@ def test_credit_eval_unknown_method_is_one_line(tmp_path, tiny_model_dir):
                           "credit_eval.assigners=[grpo,nope]", f"trainer.output_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("gearlab: error: key 'credit_eval.assigners': unknown ['nope']")
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "gearlab: error: key 'credit_eval.assigners': unknown ['nope']"
+    )
 
 
 def test_score_batch_reads_onsets_from_segments():
@@ -133,7 +138,8 @@ def test_reasoning_errors_leave_out_wrong_final_answers(tokenizer):
         mask[i, : len(s)] = True
     rewards = torch.tensor([task.reward(problem, t) for t in texts])
     rb = RolloutBatch(prompt_ids=torch.ones(G, 2, dtype=torch.long), prompt_mask=torch.ones(G, 2, dtype=torch.long),
-                      response_ids=resp, response_mask=mask, group_ids=torch.zeros(G, dtype=torch.long), rewards=rewards,
+                      response_ids=resp, response_mask=mask, group_ids=torch.zeros(G, dtype=torch.long),
+                      rewards=rewards,
                       meta={"answers": [problem.answer] * G, "texts": texts})
     error, _ = locate_errors(task, tokenizer, rb, [problem] * G)
     assert error.any(dim=1).tolist() == [False, True, False, True, True]

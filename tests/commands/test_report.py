@@ -153,7 +153,8 @@ def test_avg_at_k_is_reported_under_its_mlflow_name_also_when_named_with_an_at(t
     rep = build_report(uri, "avg", out_dir=tmp_path / "rep", log_to_parent=False)
     js = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert js["metric"] == "eval/avg_at_4" and js["primary_metric_source"] == "parent tag primary_metric"
-    assert {r["assigner"]: r["mean"] for r in rep.rows} == {"grpo": pytest.approx(1.01 / 3), "gear": pytest.approx(0.38),
+    assert {r["assigner"]: r["mean"] for r in rep.rows} == {"grpo": pytest.approx(1.01 / 3),
+                                                            "gear": pytest.approx(0.38),
                                                              "rlsd": pytest.approx(0.8 / 3)}
     assert rep.table.splitlines()[0].startswith("| method | final eval/avg_at_4 (%) |")
     assert "eval/avg@4" not in rep.table
@@ -171,11 +172,14 @@ def test_primary_metric_comes_from_the_parent_tag_unless_given(tmp_path):
     assert js["primary_metric"] == js["metric"] == "train/reward"
     assert js["primary_metric_source"] == "parent tag primary_metric"
     rows = {r["assigner"]: r for r in rep.rows}
-    assert rows["grpo"]["mean"] == pytest.approx(1.5) and rows["gear"]["paired"]["diff"] == pytest.approx(0.4667, abs=1e-4)
+    assert rows["grpo"]["mean"] == pytest.approx(1.5) and rows["gear"]["paired"]["diff"] == pytest.approx(
+        0.4667, abs=1e-4
+    )
     sd = paired_sd([0.5, 0.1, 0.8])
     # raw units for a metric that is not a fraction shown in percent
     assert (f"power: gear vs grpo: paired SD {sd:.3g} (n=3); smallest difference detectable at 80% power "
-            f"(two-sided α=0.05): {mde_paired(sd, 3):.3g}; detecting 0.03 needs {seeds_needed(0.03, sd)} seeds") in rep.table
+            f"(two-sided α=0.05): {mde_paired(sd, 3):.3g}; detecting 0.03 needs {seeds_needed(0.03, sd)} "
+            "seeds") in rep.table
     assert "learning: grpo +1 ± " in rep.table and "points" not in rep.table.split("learning:")[1]
     # the explicit argument wins over the tag
     rep2 = build_report(uri, "prim", metric="eval/greedy_accuracy", out_dir=tmp_path / "rep2", log_to_parent=False)

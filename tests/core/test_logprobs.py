@@ -2,7 +2,13 @@
 import pytest
 import torch
 
-from gearlab.core.logprobs import naive_token_logprobs, position_ids_from_mask, response_hidden, token_kl, token_logprobs
+from gearlab.core.logprobs import (
+    naive_token_logprobs,
+    position_ids_from_mask,
+    response_hidden,
+    token_kl,
+    token_logprobs,
+)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
@@ -67,7 +73,9 @@ def _ragged_batch(B=4, P=6, T=7, seed=0):
     rlen = torch.tensor([7, 1, 4, 0])[:B]  # one row with an empty response
     pmask = torch.arange(P)[None] >= (P - plen)[:, None]
     rmask = torch.arange(T)[None] < rlen[:, None]
-    ids = torch.cat([torch.randint(5, 300, (B, P), generator=g) * pmask, torch.randint(5, 300, (B, T), generator=g) * rmask], 1)
+    ids = torch.cat(
+        [torch.randint(5, 300, (B, P), generator=g) * pmask, torch.randint(5, 300, (B, T), generator=g) * rmask], 1
+    )
     return ids, torch.cat([pmask, rmask], 1).long(), rmask
 
 

@@ -9,7 +9,15 @@ import pytest
 from scipy import integrate
 from scipy.stats import chi2, norm, t
 
-from gearlab.core.power import interval_note, mde_paired, paired_sd, power_paired, reported_interval, seeds_needed, t_interval
+from gearlab.core.power import (
+    interval_note,
+    mde_paired,
+    paired_sd,
+    power_paired,
+    reported_interval,
+    seeds_needed,
+    t_interval,
+)
 
 
 def _power_by_integral(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:

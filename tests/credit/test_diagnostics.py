@@ -37,4 +37,6 @@ def test_normalisation_in_words():
     assert normalisation_scope(True, "group", False) == "group mean, divided by group std (unbiased)"
     assert normalisation_scope(True, "batch", False) == "group mean, divided by batch std (unbiased)"
     assert normalisation_scope(False, "batch", False) == "group mean, no std scaling"
-    assert normalisation_scope(True, "group", True) == "leave-one-out group mean, divided by the other group members' std"
+    assert normalisation_scope(
+        True, "group", True
+    ) == "leave-one-out group mean, divided by the other group members' std"

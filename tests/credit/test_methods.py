@@ -64,7 +64,9 @@ def test_unknown_method():
 def test_expand_grid():
     assert expand_grid(["grpo", "gear"], {"gear": {"q_on": [0.8, 0.9]}}) == ["grpo", "gear:q_on=0.8", "gear:q_on=0.9"]
     two = expand_grid(["grpo"], {"gear": {"q_on": [0.8, 0.9], "beta": [1, 2]}})
-    assert two == ["grpo", "gear:q_on=0.8,beta=1", "gear:q_on=0.8,beta=2", "gear:q_on=0.9,beta=1", "gear:q_on=0.9,beta=2"]
+    assert two == [
+        "grpo", "gear:q_on=0.8,beta=1", "gear:q_on=0.8,beta=2", "gear:q_on=0.9,beta=1", "gear:q_on=0.9,beta=2"
+    ]
     assert expand_grid(["grpo"], {"gear": {"q_on": 0.8}}) == ["grpo", "gear:q_on=0.8"]
 
 

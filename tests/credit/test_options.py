@@ -80,6 +80,10 @@ def test_assigners_command_prints_options():
     # a variant is described through its base, with its options
     var = subprocess.run([sys.executable, "-m", "gearlab.cli", "assigners", "gear_random"], capture_output=True,
                          text=True, timeout=120)
-    assert var.returncode == 0 and "gear_random: a variant of gear with options {'segmentation': 'random'}" in var.stdout
-    listing = subprocess.run([sys.executable, "-m", "gearlab.cli", "assigners"], capture_output=True, text=True, timeout=120)
+    assert var.returncode == 0 and (
+        "gear_random: a variant of gear with options {'segmentation': 'random'}"
+    ) in var.stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "gearlab.cli", "assigners"], capture_output=True, text=True, timeout=120
+    )
     assert "gear_fixed     = gear {'segmentation': 'fixed'}" in listing.stdout

@@ -4,7 +4,9 @@ import sys
 
 
 def _gearlab(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "gearlab.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "gearlab.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_new_assigner_outside_the_repo_passes_its_own_test_and_the_kit(tmp_path):

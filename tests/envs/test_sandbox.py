@@ -215,7 +215,8 @@ def test_cannot_read_host_files():
                    str(ROOT / "pyproject.toml")]
         code = ("import json, os\nout = {}\n"
                 f"for p in {targets!r}:\n"
-                "    try:\n        out[p] = open(p).read()\n    except OSError as e:\n        out[p] = type(e).__name__\n"
+                "    try:\n        out[p] = open(p).read()\n    except OSError as e:\n        out[p] = "
+                "type(e).__name__\n"
                 "etc = sorted(os.listdir('/etc')) if os.path.isdir('/etc') else []\n"
                 "print(json.dumps({'reads': out, 'root': sorted(os.listdir('/')), 'etc': etc}))\n")
         r = run(code, timeout_s=3)
@@ -414,7 +415,8 @@ def test_no_network_to_localhost():
 
 def test_cannot_kill_parent():
     r = run("import os, signal\nppid = os.getppid()\nprint('ppid', ppid)\n"
-            "try:\n    os.kill(ppid, signal.SIGKILL)\nexcept OSError as e:\n    print(type(e).__name__)\nprint('done')\n",
+            "try:\n    os.kill(ppid, signal.SIGKILL)\nexcept OSError as e:\n    "
+            "print(type(e).__name__)\nprint('done')\n",
             timeout_s=2)
     assert r.returncode is not None and not r.timed_out
     if r.pid_isolated:

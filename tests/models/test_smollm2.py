@@ -21,7 +21,9 @@ def test_smollm2_loads_offline_and_generates(tmp_path):
     from gearlab.models.loading import load_policy
     from gearlab.trainer.train import preflight
 
-    cfg = load_config(["model=smollm2_135m", "task=gsm8k", "task.options.path=sample", f"trainer.output_dir={tmp_path}"])
+    cfg = load_config(
+        ["model=smollm2_135m", "task=gsm8k", "task.options.path=sample", f"trainer.output_dir={tmp_path}"]
+    )
     preflight(cfg)
     model, tok, name = load_policy(cfg)
     assert name == "embedded:smollm2-135m" and (tmp_path / "embedded" / "smollm2-135m" / "config.json").is_file()

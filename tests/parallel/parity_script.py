@@ -32,7 +32,8 @@ def global_batch() -> tuple[RolloutBatch, torch.Tensor]:
     resp_mask = torch.arange(T)[None] < lens[:, None]
     plen = torch.tensor([5, 4, 5, 3, 2, 5, 4, 5])
     prompt_mask = torch.arange(P)[None] >= (P - plen)[:, None]
-    rb = RolloutBatch(prompt_ids=torch.randint(3, 300, (B, P), generator=g) * prompt_mask, prompt_mask=prompt_mask.long(),
+    rb = RolloutBatch(prompt_ids=torch.randint(3, 300, (B, P), generator=g) * prompt_mask,
+                      prompt_mask=prompt_mask.long(),
                       response_ids=torch.randint(3, 300, (B, T), generator=g) * resp_mask, response_mask=resp_mask,
                       group_ids=torch.arange(B) // 4, rewards=torch.rand(B, generator=g))
     old = -torch.rand(B, T, generator=g) * 3  # π_old ≠ π: the ratio and clipping matter

@@ -33,7 +33,10 @@ def main() -> None:
         s = load_file(str(model_dir / "model.safetensors"))
         diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
         moved = max((a[k].float() - s[k].float()).abs().max().item() for k in a)
-        print(f"{strategy}: stop+resume vs uninterrupted, max |Δw| = {diff:.3g} (training moved weights by up to {moved:.3g})")
+        print(
+            f"{strategy}: stop+resume vs uninterrupted, max |Δw| = {diff:.3g} (training moved weights by up to "
+            f"{moved:.3g})"
+        )
         return
     import gearlab.trainer.train as T
 
@@ -41,9 +44,11 @@ def main() -> None:
     from gearlab.config import load_config
 
     run = "full" if phase == "full" else "stopped"
-    cfg = load_config([f"model.name_or_path={model_dir}", f"trainer.accelerator={os.environ.get('RESUME_ACCEL', 'gpu')}", "trainer.devices=2",
+    cfg = load_config([f"model.name_or_path={model_dir}",
+                       f"trainer.accelerator={os.environ.get('RESUME_ACCEL', 'gpu')}", "trainer.devices=2",
                        f"trainer.strategy={strategy}", "rollout.prompts_per_step=4", "rollout.group_size=4",
-                       "rollout.max_new_tokens=8", "eval.num_problems=0", "trainer.progress_bar=false", "optim.lr=1e-3", "algorithm.entropy_coef=0.05",
+                       "rollout.max_new_tokens=8", "eval.num_problems=0", "trainer.progress_bar=false", "optim.lr=1e-3",
+                       "algorithm.entropy_coef=0.05",
                        "trainer.max_steps=3", "trainer.checkpoint_every=1", f"trainer.output_dir={out / run}",
                        *(["trainer.stop_after=2"] if phase == "stop" else [])])
     T.train(cfg)

@@ -88,7 +88,8 @@ def test_training_with_compile_matches_eager(tmp_path, tiny_model_dir):
 
     def run(name, *extra):
         return train(load_config([f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path / name}",
-                                  "assigner=gear", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.01", "trainer.max_steps=1", "rollout.prompts_per_step=4",
+                                  "assigner=gear", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.01",
+                                  "trainer.max_steps=1", "rollout.prompts_per_step=4",
                                   "rollout.group_size=4", "rollout.max_new_tokens=10", "algorithm.micro_batch_size=8",
                                   "optim.lr=1e-3", "eval.num_problems=0", "trainer.progress_bar=false", *extra]))
 
@@ -115,7 +116,9 @@ def test_compile_with_fsdp1_is_refused():
     from gearlab.config import ConfigError, load_config
     from gearlab.parallel.distributed import check
 
-    cfg = load_config(["trainer.compile=true", "trainer.strategy=fsdp1", "trainer.accelerator=gpu", "trainer.devices=2"])
+    cfg = load_config(
+        ["trainer.compile=true", "trainer.strategy=fsdp1", "trainer.accelerator=gpu", "trainer.devices=2"]
+    )
     with pytest.raises(ConfigError, match="trainer.compile.*fsdp1"):
         check(cfg)
 

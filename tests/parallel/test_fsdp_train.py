@@ -82,7 +82,9 @@ def test_two_node_torchrun_launch(tmp_path, tiny_model_dir):
         assert p.returncode == 0, se[-3000:]
     assert "MEMBER: 2/2" in outs[1][1] + outs[1][0]
     run_dir = tmp_path / "n" / "arith-grpo-s0"
-    assert sorted(p.name for p in (run_dir / "checkpoints" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(
+        p.name for p in (run_dir / "checkpoints" / "last.ckpt").glob("*.distcp")
+    ) == ["__0_0.distcp", "__1_0.distcp"]
     assert (run_dir / "final" / "model.safetensors").is_file()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'n' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gearlab").experiment_id])

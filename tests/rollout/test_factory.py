@@ -26,11 +26,15 @@ def test_auto_picks_the_fast_decoder_only_for_one_unsharded_cuda_policy_it_runs(
         monkeypatch, tiny_model_factory, overrides, cuda, supported, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     cfg = load_config(overrides)
-    model = tiny_model_factory(0) if supported else GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    model = tiny_model_factory(0) if supported else GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    )
     assert resolve_engine(cfg, model) == expected
 
 
-def test_the_engine_built_for_auto_and_the_corrections_that_need_an_explicit_engine(monkeypatch, tokenizer, tiny_model_factory):
+def test_the_engine_built_for_auto_and_the_corrections_that_need_an_explicit_engine(
+    monkeypatch, tokenizer, tiny_model_factory
+):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = load_config([])
     assert cfg.rollout.engine == "auto"

@@ -69,7 +69,9 @@ def test_responses_end_at_the_first_stop_token_as_hf(setup, tokenizer):
     for i in range(len(ids)):
         hits = [k for k, t in enumerate(free[i].tolist()) if t in fast.stop_ids]
         n = hits[0] + 1 if hits else 24
-        assert lengths[i] == n and torch.equal(resp[i, :n], free[i, :n]) and torch.allclose(lp[i, :n], free_lp[i, :n], atol=1e-5)
+        assert lengths[i] == n and torch.equal(resp[i, :n], free[i, :n]) and torch.allclose(
+            lp[i, :n], free_lp[i, :n], atol=1e-5
+        )
     assert len(set(lengths.tolist())) > 1 and resp.shape[1] == lengths.max()  # as wide as the longest, as HF's
     assert (lp[~rmask] == 0).all() and (resp[~rmask] == tokenizer.pad_token_id).all()
 
@@ -78,7 +80,9 @@ def test_responses_end_at_the_first_stop_token_as_hf(setup, tokenizer):
 def test_sampled_logprobs_equal_the_trainers(setup, tokenizer, temperature, top_p):
     model, _, ids, mask = setup
     sp = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p)
-    resp, rmask, lp = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs="on").sample(model, ids, mask, sp, seed=11)
+    resp, rmask, lp = FastDecoder(
+        tokenizer, batch_size=4, bucket=8, cuda_graphs="on"
+    ).sample(model, ids, mask, sp, seed=11)
     ref = _trainer_logprobs(model, ids, mask, resp, rmask, temperature)
     assert (lp - ref)[rmask].abs().max() < 1e-5
 
@@ -88,7 +92,9 @@ def test_a_rows_samples_depend_on_its_seed_alone(setup, tokenizer):
     or bucket, gets the same tokens; another seed gives other tokens."""
     model, _, ids, mask = setup
     sp = SamplingParams(max_new_tokens=20)
-    full, fmask, flp = FastDecoder(tokenizer, batch_size=8, bucket=8, cuda_graphs="on").sample(model, ids, mask, sp, seed=100)
+    full, fmask, flp = FastDecoder(
+        tokenizer, batch_size=8, bucket=8, cuda_graphs="on"
+    ).sample(model, ids, mask, sp, seed=100)
     again = FastDecoder(tokenizer, batch_size=2).sample(model, ids, mask, sp, seed=100)
     assert torch.equal(full, again[0]) and torch.allclose(flp, again[2], atol=1e-6)
     part, pmask, _ = FastDecoder(tokenizer, batch_size=8).sample(model, ids[3:5], mask[3:5], sp, seed=103)
@@ -158,10 +164,13 @@ def test_fsdp2_two_processes_decode_the_gathered_weights(tmp_path, tiny_model_di
 
     import mlflow
 
-    args = [f"model.name_or_path={tiny_model_dir}", "trainer.accelerator=cpu", "trainer.devices=2", "rollout.engine=fast",
+    args = [f"model.name_or_path={tiny_model_dir}", "trainer.accelerator=cpu", "trainer.devices=2",
+            "rollout.engine=fast",
             "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "eval.num_problems=4",
             "trainer.progress_bar=false", "optim.lr=1e-3", "trainer.max_steps=2", f"trainer.output_dir={tmp_path}"]
-    r = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *args], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "gearlab.cli", "train", *args], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]

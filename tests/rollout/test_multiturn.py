@@ -95,9 +95,13 @@ def test_token_budget_cuts_mid_turn(tokenizer, task, problems):
     first = action_ids(tokenizer, task.demo_actions(p)[0])
     env = task.make_env(p)
     env.reset()
-    obs = tokenizer(observation_text(env.step(task.demo_actions(p)[0]).observation), add_special_tokens=False)["input_ids"]
+    obs = tokenizer(
+        observation_text(env.step(task.demo_actions(p)[0]).observation), add_special_tokens=False
+    )["input_ids"]
     budget = len(first) + len(obs) + 5
-    rb = MultiTurnRolloutEngine(tokenizer, task, max_total_tokens=budget).generate(pol, [p], group_size=1, sampling=SP, seed=0)
+    rb = MultiTurnRolloutEngine(tokenizer, task, max_total_tokens=budget).generate(
+        pol, [p], group_size=1, sampling=SP, seed=0
+    )
     ids, gen, tid = _row(rb, 0)
     assert len(ids) == budget
     assert gen == [True] * len(first) + [False] * len(obs) + [True] * 5
@@ -116,7 +120,8 @@ def test_turn_length_and_max_turns(tokenizer, task, problems):
     assert rb.turn_rewards.tolist() == [[0.0]]
     # a policy that calls forever: stops at the turn limit; the last tool answer is not appended
     loop = action_ids(tokenizer, "<call>calc 1+1</call>")
-    rb = MultiTurnRolloutEngine(tokenizer, task, max_turns=3).generate(ScriptedPolicy(tokenizer, lambda t, k: loop), [p],
+    rb = MultiTurnRolloutEngine(tokenizer, task, max_turns=3).generate(ScriptedPolicy(tokenizer, lambda t, k: loop),
+                                                                       [p],
                                                                        group_size=1, sampling=SP, seed=0)
     ids, gen, tid = _row(rb, 0)
     assert rb.meta["end_reasons"] == ["max_turns"] and gen[-1] and ids[-len(loop):] == loop

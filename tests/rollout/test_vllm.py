@@ -75,7 +75,9 @@ def test_sleep_and_wake_around_the_update(tokenizer, tiny_model_factory, tiny_mo
     gen._ready(model)  # next rollout
     assert [e[0] for e in log] == ["build", "reload_weights", "sleep", "wake_up", "reload_weights", "wake_up"]
     assert log[2] == ("sleep", 2) and log[3] == ("wake_up", ("weights",)) and log[5] == ("wake_up", ("kv_cache",))
-    assert gen.llm.kw["enable_sleep_mode"] is True if torch.cuda.is_available() else "enable_sleep_mode" not in gen.llm.kw
+    assert gen.llm.kw[
+        "enable_sleep_mode"
+    ] is True if torch.cuda.is_available() else "enable_sleep_mode" not in gen.llm.kw
 
 
 def test_no_sleep_on_cpu_by_default(tokenizer, tiny_model_factory, tiny_model_dir):
@@ -86,7 +88,9 @@ def test_no_sleep_on_cpu_by_default(tokenizer, tiny_model_factory, tiny_model_di
     assert ("sleep", 1) not in log or torch.cuda.is_available()
 
 
-def test_failed_probe_falls_back_to_rebuilding_and_says_so(tokenizer, tiny_model_factory, tiny_model_dir, monkeypatch, caplog):
+def test_failed_probe_falls_back_to_rebuilding_and_says_so(
+    tokenizer, tiny_model_factory, tiny_model_dir, monkeypatch, caplog
+):
     model = tiny_model_factory(0)
     log: list = []
     gen = _fake(log, tokenizer, tiny_model_dir, weight_sync="auto", workdir=None)
@@ -198,7 +202,9 @@ def test_greedy_tokens_and_logprobs_match_hf(real, tokenizer):
     r_v, m_v, _ = gen.sample(model, ids, mask, sp, seed=0)
     T = max(r_hf.shape[1], r_v.shape[1])
     pad = lambda t, v: torch.nn.functional.pad(t, (0, T - t.shape[1]), value=v)  # noqa: E731
-    assert torch.equal(pad(m_hf, False), pad(m_v, False)) and torch.equal(pad(r_hf, 0) * pad(m_hf, 0), pad(r_v, 0) * pad(m_v, 0))
+    assert torch.equal(pad(m_hf, False), pad(m_v, False)) and torch.equal(
+        pad(r_hf, 0) * pad(m_hf, 0), pad(r_v, 0) * pad(m_v, 0)
+    )
     # sampled (temperature 1): vLLM's log-prob of each sampled token = the trainer's, to 1e-4
     r_s, m_s, lp_s = gen.sample(model, ids, mask, SamplingParams(max_new_tokens=24), seed=5)
     ref = _trainer_logprobs(model, ids, mask, r_s, m_s)
@@ -218,7 +224,9 @@ def test_engine_follows_the_trainer_after_an_optimizer_step(real, tokenizer, syn
 
     model = copy.deepcopy(model0)
     model.name_or_path = model0.name_or_path
-    gen = VLLMGenerator(tokenizer, model_dir=model.name_or_path, max_model_len=256, weight_sync=sync) if sync == "reload" else gen0
+    gen = VLLMGenerator(
+        tokenizer, model_dir=model.name_or_path, max_model_len=256, weight_sync=sync
+    ) if sync == "reload" else gen0
     _, (ids, mask) = _prompts(tokenizer)
     sp = SamplingParams(max_new_tokens=16)
     gen.sample(model, ids, mask, sp, seed=1)
@@ -257,12 +265,15 @@ def test_multi_turn_rollout_through_vllm(tmp_path_factory, tokenizer):
 
     d = tmp_path_factory.mktemp("tool_model")
     warmstart(d, task="tool_arith", steps=50, batch_size=16, lr=5e-3, n_eval=0, verbose=False,
-              model_kwargs=dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128))
+              model_kwargs=dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+              intermediate_size=128))
     model = AutoModelForCausalLM.from_pretrained(d)
     task = get_task("tool_arith")
     gen = VLLMGenerator(tokenizer, model_dir=str(d), max_model_len=512)
     eng = MultiTurnRolloutEngine(tokenizer, task, generator=gen)
-    rb = eng.generate(model, task.problems("train", 3, seed=0), group_size=2, sampling=SamplingParams(max_new_tokens=32), seed=0)
+    rb = eng.generate(
+        model, task.problems("train", 3, seed=0), group_size=2, sampling=SamplingParams(max_new_tokens=32), seed=0
+    )
     stats = rb.meta["rollout_stats"]
     assert stats["tool_call_frac"] > 0 and rb.turn_ids.max() >= 1  # tools were called, turns followed
     lp = rb.rollout_logprobs
@@ -308,7 +319,8 @@ def test_each_engine_is_mode_trains_and_logs_its_fractions(tmp_path, embedded_di
     m = mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).data.metrics
     masked, truncated, w = m["update/is_masked_frac"], m["update/is_truncated_frac"], m["update/is_weight_mean"]
     assert 0 <= masked <= 1 and 0 <= truncated <= 1
-    if mode.endswith("mask") or mode == "icepop":  # kept tokens keep their ratio (≈ 1): the mean weight is the kept share
+    # kept tokens keep their ratio (≈ 1): the mean weight is the kept share
+    if mode.endswith("mask") or mode == "icepop":
         assert truncated == 0 and w == pytest.approx(1 - masked, abs=1e-3)
     else:
         assert masked == 0 and w == pytest.approx(1.0, abs=1e-3)
@@ -340,7 +352,8 @@ def test_fsdp2_two_processes_sync_sharded_weights_into_each_engine(tmp_path, emb
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", "rollout.engine=vllm", "trainer.devices=2",
                         "trainer.accelerator=cpu", "trainer.max_steps=2", "rollout.prompts_per_step=4",
-                        f"model.name_or_path={embedded_dir}", f"trainer.output_dir={tmp_path}", "trainer.progress_bar=false",
+                        f"model.name_or_path={embedded_dir}", f"trainer.output_dir={tmp_path}",
+                        "trainer.progress_bar=false",
                         "eval.num_problems=0"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     c = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -374,11 +387,15 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
             return [Out([p["prompt_token_ids"][-1] + 100, 2]) for p in prompts]  # 2 = a stop token
 
     tok = build_tokenizer()
-    gen = VLLMGenerator(tok, model_dir="unused", weight_sync="inplace", tensor_parallel_size=2, llm_factory=lambda **k: TPFake(**k))
+    gen = VLLMGenerator(
+        tok, model_dir="unused", weight_sync="inplace", tensor_parallel_size=2, llm_factory=lambda **k: TPFake(**k)
+    )
     gen.llm, gen.stale = gen._build("unused"), False  # built, in sync: only the request pooling is under test
     n = 2 + rank  # ranks hold different numbers of rows
     ids = torch.tensor([[10 * rank + i + 3] for i in range(n)])
-    resp, mask, _ = gen.sample(None, ids, torch.ones_like(ids), SamplingParams(max_new_tokens=4), seed=1000 * (rank + 1))
+    resp, mask, _ = gen.sample(
+        None, ids, torch.ones_like(ids), SamplingParams(max_new_tokens=4), seed=1000 * (rank + 1)
+    )
     torch.save({"resp": resp, "seen": seen, "kw": gen.llm.kw}, f"{out}/tp{rank}.pt")
     dist.destroy_process_group()
 

@@ -11,7 +11,9 @@ from gearlab.signals.spans import answer_positions, response_segments
 from tests.signals.test_saliency import PROMPTS, SOL, _ctx, _make_batch
 
 # prompts and responses of different lengths (left- / right-padding differ per row); the last row has no reasoning
-RAGGED_PROMPTS = PROMPTS + ["Compute 1 + 2.", "Compute 9 - 4 + 6 * 2 left to right, carefully, step by step.", "Say 12."]
+RAGGED_PROMPTS = PROMPTS + [
+    "Compute 1 + 2.", "Compute 9 - 4 + 6 * 2 left to right, carefully, step by step.", "Say 12."
+]
 RAGGED_SOL = SOL + ["1+2=3\nAnswer: 3", "9-4=5\n5+6=11\n11*2=22\nso the result is 22\nAnswer: 22", "12"]
 
 
@@ -69,7 +71,9 @@ def test_oar_p_stride_and_interpolation(tokenizer, tiny_model_factory):
         idx = perturb_indices(rpos.numel(), 4, 0)
         got = strided[row, rpos]
         torch.testing.assert_close(got[idx], full[row, rpos][idx], rtol=2e-3, atol=1e-9)  # computed exactly
-        torch.testing.assert_close(got, interpolate_skipped(idx, full[row, rpos][idx], rpos.numel()), rtol=2e-3, atol=1e-9)
+        torch.testing.assert_close(
+            got, interpolate_skipped(idx, full[row, rpos][idx], rpos.numel()), rtol=2e-3, atol=1e-9
+        )
     # interpolation itself: values 0 at k=0, 4 at k=4 → k=1..3 get 1, 2, 3
     torch.testing.assert_close(interpolate_skipped([0, 4, 5], torch.tensor([0.0, 4.0, 2.0]), 6),
                                torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 2.0]))
@@ -79,7 +83,9 @@ def test_oar_p_stride_and_interpolation(tokenizer, tiny_model_factory):
 def _count_tokens(model):
     """A counter of the token slots (padding included) fed to the decoder, through a pre-hook on the embedding."""
     n = [0]
-    h = model.get_input_embeddings().register_forward_pre_hook(lambda mod, args: n.__setitem__(0, n[0] + args[0].numel()))
+    h = model.get_input_embeddings().register_forward_pre_hook(
+        lambda mod, args: n.__setitem__(0, n[0] + args[0].numel())
+    )
     return n, h
 
 
@@ -153,10 +159,13 @@ def test_kv_share_falls_back_to_the_full_recompute(tokenizer, tiny_model_factory
     try:
         perturbation_saliency(_ctx(model, tokenizer, b, perturb_kv_share=False))
         full = n[0]
-        # a clean cache that is not one plain DynamicLayer per layer: the clean chunk is run, then everything is recomputed
+        # a clean cache that is not one plain DynamicLayer per layer: the clean chunk is run, then everything is
+        # recomputed
         monkeypatch.setattr(pert, "_clean_kv", lambda cache, n, L: None)
         n[0] = 0
-        torch.testing.assert_close(perturbation_saliency(_ctx(model, tokenizer, b, perturb_kv_share=True)), ref, rtol=0, atol=0)
+        torch.testing.assert_close(
+            perturbation_saliency(_ctx(model, tokenizer, b, perturb_kv_share=True)), ref, rtol=0, atol=0
+        )
         assert n[0] > full
     finally:
         h.remove()

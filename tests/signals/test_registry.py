@@ -70,7 +70,9 @@ def test_signal_from_a_file_is_computed_and_faked(tmp_path, tiny_model_factory, 
 def test_signal_from_an_entry_point(tmp_path):
     from tests.plugin_site import entry_point_site
 
-    site = entry_point_site(tmp_path, "acme_signals", "gearlab.signals", PLUGIN.format(sig="acme_weight", name="acme_late"))
+    site = entry_point_site(
+        tmp_path, "acme_signals", "gearlab.signals", PLUGIN.format(sig="acme_weight", name="acme_late")
+    )
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from gearlab.signals.registry import get_signal; "
             "print(get_signal('acme_weight').fake)")
     out = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, timeout=120)

@@ -14,12 +14,15 @@ def tc(name, **args) -> str:
 
 
 WEATHER = [{"name": "get_weather", "arguments": {"city": ["Lisbon"]}}]
-PARALLEL = [{"name": "get_weather", "arguments": {"city": ["Paris"]}}, {"name": "set_timer", "arguments": {"minutes": [5]}}]
+PARALLEL = [
+    {"name": "get_weather", "arguments": {"city": ["Paris"]}}, {"name": "set_timer", "arguments": {"minutes": [5]}}
+]
 
 
 def test_correct_call():
     assert score_calls(tc("get_weather", city="Lisbon"), WEATHER) == (1.0, "ok")
-    assert score_calls("Sure. " + tc("get_weather", city=" lisbon ") + " done", WEATHER) == (1.0, "ok")  # casefold/strip
+    # casefold/strip
+    assert score_calls("Sure. " + tc("get_weather", city=" lisbon ") + " done", WEATHER) == (1.0, "ok")
     args_as_string = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Lisbon\\"}"}</tool_call>'
     assert score_calls(args_as_string, WEATHER) == (1.0, "ok")
 
@@ -27,7 +30,8 @@ def test_correct_call():
 def test_wrong_arguments():
     assert score_calls(tc("get_weather", city="Porto"), WEATHER) == (0.0, "wrong_arguments")
     assert score_calls(tc("get_weather"), WEATHER) == (0.0, "wrong_arguments")  # required argument missing
-    assert score_calls(tc("get_weather", city="Lisbon", unit="celsius"), WEATHER) == (0.0, "wrong_arguments")  # unexpected
+    # unexpected
+    assert score_calls(tc("get_weather", city="Lisbon", unit="celsius"), WEATHER) == (0.0, "wrong_arguments")
     assert score_calls(tc("set_timer", minutes="5"), [{"name": "set_timer", "arguments": {"minutes": [5]}}])[0] == 0.0
     assert score_calls(tc("set_timer", minutes=True), [{"name": "set_timer", "arguments": {"minutes": [1]}}])[0] == 0.0
 
@@ -52,7 +56,8 @@ def test_parallel_calls_any_order_unless_ordered():
     assert score_calls(b + a, PARALLEL, ordered=True) == (0.0, "wrong_name")
     same = [{"name": "set_timer", "arguments": {"minutes": [5]}}, {"name": "set_timer", "arguments": {"minutes": [25]}}]
     assert score_calls(tc("set_timer", minutes=25) + tc("set_timer", minutes=5), same)[0] == 1.0
-    assert score_calls(tc("set_timer", minutes=25) + tc("set_timer", minutes=25), same)[0] == 0.0  # a matching, not a cover
+    # a matching, not a cover
+    assert score_calls(tc("set_timer", minutes=25) + tc("set_timer", minutes=25), same)[0] == 0.0
 
 
 def test_bfcl_acceptable_values_and_optional_arguments(tmp_path):
@@ -82,7 +87,8 @@ def test_sample_task_and_reward(tokenizer):
     assert tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False).endswith("assistant\n")
 
 
-@pytest.mark.parametrize("content,msg", [('{"query": "q"}\n', "unknown row format"), ("not json\n", ":2: not valid JSON"),
+@pytest.mark.parametrize("content,msg", [('{"query": "q"}\n', "unknown row format"), ("not json\n",
+                                         ":2: not valid JSON"),
                                          ('{"query": "q", "answers": "[oops"}\n', "not valid JSON"),
                                          ('{"query": "", "answers": []}\n', "empty question"),
                                          ('{"query": "q", "answers": [], "split": "dev"}\n', "'split'")])

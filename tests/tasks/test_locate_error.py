@@ -181,17 +181,22 @@ def test_tool_arith_correct_outcome_is_none(tokenizer, tool, tp):
 
 def test_tool_arith_episode_ends_without_observation(tokenizer, tool, tp):
     """At the turn limit the last call's result is not in the transcript: the tool is run again to judge it."""
-    text, outcome, end = _episode(tokenizer, tool, tp, ["<call>calc 12*3</call>", "<call>calc 36-5</call>"], max_turns=2)
+    text, outcome, end = _episode(
+        tokenizer, tool, tp, ["<call>calc 12*3</call>", "<call>calc 36-5</call>"], max_turns=2
+    )
     assert (outcome, end) == (0.0, "max_turns") and not text.endswith("assistant\n")
     assert _blamed(tool, tp, text) == "<call>calc 36-5</call>"
-    text, outcome, end = _episode(tokenizer, tool, tp, ["<call>calc 12*3</call>", "<call>calc 36+5</call>"], max_turns=2)
+    text, outcome, end = _episode(
+        tokenizer, tool, tp, ["<call>calc 12*3</call>", "<call>calc 36+5</call>"], max_turns=2
+    )
     assert (outcome, end) == (0.0, "max_turns")
     assert tool.locate_error(tp, text) is None  # every action right; the episode ran out before the answer
 
 
 def test_tool_arith_cut_turn_is_wrong(tokenizer, tool, tp):
     """A turn cut before its end-of-turn token was never stepped: it is the wrong action, even if it reads right."""
-    text, outcome, end = _episode(tokenizer, tool, tp, ["<call>calc 12*3</call>", "<call>calc 36+5</call>", "Answer: 41"],
+    text, outcome, end = _episode(tokenizer, tool, tp, ["<call>calc 12*3</call>", "<call>calc 36+5</call>",
+                                  "Answer: 41"],
                                   cut_last=True)
     assert (outcome, end) == (0.0, "turn_length") and text.endswith("Answer: 41")
     assert _blamed(tool, tp, text) == "Answer: 41"
@@ -207,7 +212,9 @@ def test_tool_arith_hand_written_transcripts(tool, tp):
     assert t[s[0]:s[1]] == "<call>python print(36+6)</call>"
     assert py.locate_error(tp, t.replace("36+6", "36+5").replace("42", "41")) is None
     # an action with special-token markup inside is judged as the environment saw it (markup removed)
-    t2 = "<call>calc 12*3</call>" + "<|im_end|>" + obs("36") + "<call>calc 36<|endoftext|>+5</call><|im_end|>" + obs("41") \
+    t2 = "<call>calc 12*3</call>" + "<|im_end|>" + obs(
+        "36"
+    ) + "<call>calc 36<|endoftext|>+5</call><|im_end|>" + obs("41") \
         + "Answer: 40<|im_end|>"
     assert _blamed(tool, tp, t2) == "Answer: 40"
     for odd in ("", "<|im_end|>", obs("36"), None):  # nothing written by the policy: nothing to point at

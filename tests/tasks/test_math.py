@@ -152,7 +152,9 @@ def test_separate_test_file(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(4)))
     test = tmp_path / "test.jsonl"
-    test.write_text(json.dumps({"prompt": "q0", "answer": "0"}) + "\n" + json.dumps({"prompt": "q9", "answer": "9"}) + "\n")
+    test.write_text(
+        json.dumps({"prompt": "q0", "answer": "0"}) + "\n" + json.dumps({"prompt": "q9", "answer": "9"}) + "\n"
+    )
     task = get_task("math", path=str(train), test_path=str(test))
     assert sorted(p.meta["problem"] for p in task.pools["train"]) == ["q1", "q2", "q3"]  # q0 is held out
     assert sorted(p.meta["problem"] for p in task.pools["test"]) == ["q0", "q9"]
@@ -163,7 +165,9 @@ def test_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         get_task("gsm8k", path=str(missing))
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n\n" + json.dumps({"text": "x", "label": 1}) + "\n")
+    bad.write_text(
+        json.dumps({"question": "q", "answer": "#### 1"}) + "\n\n" + json.dumps({"text": "x", "label": 1}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"bad\.jsonl: line 3: unknown row format \(keys: \['label', 'text'\]\)"):
         load_math_problems(bad)
     bad.write_text("{not json\n")

@@ -39,7 +39,8 @@ def test_every_task_yaml_selects_a_registered_task():
     from gearlab.config import conf_dir, load_config
 
     stems = sorted(p.stem for p in (conf_dir() / "task").glob("*.yaml"))
-    assert {"gsm8k", "math", "math500", "aime"} <= set(stems)  # the maths tasks docs/configuration.md names as task=NAME
+    # the maths tasks docs/configuration.md names as task=NAME
+    assert {"gsm8k", "math", "math500", "aime"} <= set(stems)
     assert [s for s in stems if load_config([f"task={s}"]).task.name not in available_tasks()] == []
 
 
@@ -48,7 +49,8 @@ def test_task_from_a_file_trains(tmp_path, tiny_model_dir):
     plugin.write_text(TASK_SRC.format(name="repeat_number"))
     out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", "task.name=repeat_number",
                           f"task.plugins=[{plugin}]", f"model.name_or_path={tiny_model_dir}",
-                          f"trainer.output_dir={tmp_path / 'runs'}", "trainer.max_steps=2", "rollout.prompts_per_step=2",
+                          f"trainer.output_dir={tmp_path / 'runs'}", "trainer.max_steps=2",
+                          "rollout.prompts_per_step=2",
                           "rollout.group_size=2", "rollout.max_new_tokens=6", "eval.num_problems=4",
                           "trainer.progress_bar=false"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -28,12 +28,16 @@ def test_start_evaluation_is_cached_exactly(tmp_path, tiny_model_dir, tokenizer,
     assert again.pop("cached") is True
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in first.items() if k != "seconds"}
     fresh = evaluate_model(model, tokenizer, task, other)
-    assert {k: fresh[k] for k in ("greedy_accuracy", "avg@2", "pass@2")} == {k: first[k] for k in ("greedy_accuracy", "avg@2", "pass@2")}
+    assert {
+        k: fresh[k] for k in ("greedy_accuracy", "avg@2", "pass@2")
+    } == {k: first[k] for k in ("greedy_accuracy", "avg@2", "pass@2")}
     # anything that changes the evaluation changes the key
     key = start_cache_key(cfg, tiny_model_dir)
     assert start_cache_key(_cfg(tmp_path, tiny_model_dir, "eval.seed=1"), tiny_model_dir) != key
     assert start_cache_key(_cfg(tmp_path, tiny_model_dir, "eval.seed=0", "eval.num_problems=7"), tiny_model_dir) != key
-    assert start_cache_key(_cfg(tmp_path, tiny_model_dir, "eval.seed=0", "rollout.max_new_tokens=9"), tiny_model_dir) != key
+    assert start_cache_key(
+        _cfg(tmp_path, tiny_model_dir, "eval.seed=0", "rollout.max_new_tokens=9"), tiny_model_dir
+    ) != key
     assert start_cache_key(cfg, tmp_path / "no-model") is None
     off = _cfg(tmp_path, tiny_model_dir, "eval.seed=0", "eval.cache_start=false")
     assert "cached" not in cached_start_evaluation(model, tokenizer, task, off, tiny_model_dir)

@@ -29,10 +29,12 @@ def graded_task():
 
 
 def _run(tmp_path, model_dir, mode, *extra):
-    cfg = load_config([f"model.name_or_path={model_dir}", f"trainer.output_dir={tmp_path / mode}", "trainer.max_steps=2",
+    cfg = load_config([f"model.name_or_path={model_dir}", f"trainer.output_dir={tmp_path / mode}",
+                       "trainer.max_steps=2",
                        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
                        "algorithm.micro_batch_size=4", "trainer.progress_bar=false", "optim.lr=1e-3",
-                       "eval.num_problems=4", f"signals.entropy_in_forward={mode}", "task.name=digit_share_for_tests", *extra])
+                       "eval.num_problems=4", f"signals.entropy_in_forward={mode}", "task.name=digit_share_for_tests",
+                       *extra])
     res = train(cfg)
     from transformers import AutoModelForCausalLM
 
@@ -45,7 +47,9 @@ def _run(tmp_path, model_dir, mode, *extra):
     ["assigner=entropy_fork", "assigner.options.scope=micro_batch", "assigner.options.micro_batch_size=4",
      "assigner.options.normaliser=trl"],
 ])
-def test_entropy_from_the_update_forward_equals_the_separate_pass(tmp_path, tiny_model_dir, monkeypatch, graded_task, assigner):
+def test_entropy_from_the_update_forward_equals_the_separate_pass(
+    tmp_path, tiny_model_dir, monkeypatch, graded_task, assigner
+):
     passes = []
     real = SignalProvider.compute
     monkeypatch.setattr(SignalProvider, "compute", lambda self, *a, **k: passes.append(1) or real(self, *a, **k))
@@ -95,7 +99,9 @@ def test_no_signal_streak_counts_resets_and_says_what_to_check(caplog):
     for rewards, credit_metrics in batches:
         module.iterations_done += 1
         rb = SimpleNamespace(rewards=torch.tensor(rewards), group_ids=groups)
-        GRPOModule._check_signal(module, rb, grpo.zero_std_fraction(rb.rewards, groups), sum(rewards) / 4, credit_metrics)
+        GRPOModule._check_signal(
+            module, rb, grpo.zero_std_fraction(rb.rewards, groups), sum(rewards) / 4, credit_metrics
+        )
         streaks.append(module.no_signal_streak)
     assert streaks == [1, 2, 0, 1, 2] and module.totals["no_signal_iterations"] == 4
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "gearlab"]
@@ -104,13 +110,15 @@ def test_no_signal_streak_counts_resets_and_says_what_to_check(caplog):
                           "0.500), so every GRPO advantage is 0"),
         (logging.WARNING, "iteration 2/6: no learning signal: every group's 2 samples got equal rewards (mean reward "
                           "0.500), so every GRPO advantage is 0"),
-        (logging.ERROR, "NO LEARNING SIGNAL for 2 iterations in a row (2 of 2 so far): the run is training on nothing — "
+        (logging.ERROR, "NO LEARNING SIGNAL for 2 iterations in a row (2 of 2 so far): the run is training on "
+                        "nothing — "
                         "each problem is either always or never solved: use problems of mixed difficulty or a larger "
                         "rollout.group_size (trainer.no_signal_patience=2)"),
         (logging.WARNING, "iteration 4/6: no learning signal: every group's 2 samples got equal rewards (mean reward "
                           "1.000), so every GRPO advantage is 0"),
         (logging.WARNING, "iteration 5/6: no learning signal: every group's 2 samples got equal rewards (mean reward "
-                          "1.000), so every GRPO advantage is 0 (the credit method's own non-outcome credit still moved "
+                          "1.000), so every GRPO advantage is 0 (the credit method's own non-outcome credit still "
+                          "moved "
                           "the policy)"),
         (logging.ERROR, "NO LEARNING SIGNAL for 2 iterations in a row (4 of 5 so far): the rewards teach the policy "
                         "nothing (only the credit method's own non-outcome credit moves it) — every sample earned full "

@@ -10,7 +10,16 @@ import torch
 
 from gearlab.config import load_config
 from gearlab.trainer.provenance import package_versions
-from gearlab.trainer.tracking import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, artifact_location, ensure_experiment, git_sha, make_logger, record_versions, tracking_uri
+from gearlab.trainer.tracking import (
+    EXPERIMENT_KIND_TAG,
+    MODEL_TRAINING_KIND,
+    artifact_location,
+    ensure_experiment,
+    git_sha,
+    make_logger,
+    record_versions,
+    tracking_uri,
+)
 
 
 def _cfg(tmp_path, *extra):
@@ -72,7 +81,9 @@ def test_an_existing_experiment_without_a_kind_gets_one(tmp_path):
 
 
 def test_artifact_location_only_for_a_sqlite_store(tmp_path):
-    assert artifact_location(f"sqlite:///{tmp_path / 'x.db'}", "compare/a b") == (tmp_path / "mlartifacts" / "compare_a_b").as_uri()
+    assert artifact_location(
+        f"sqlite:///{tmp_path / 'x.db'}", "compare/a b"
+    ) == (tmp_path / "mlartifacts" / "compare_a_b").as_uri()
     rel = artifact_location("sqlite:///runs/mlflow.db", "gearlab")
     assert rel == (Path.cwd() / "runs" / "mlartifacts" / "gearlab").as_uri()  # absolute, not relative to a later cwd
     assert artifact_location("http://127.0.0.1:5000", "gearlab") is None
@@ -81,7 +92,8 @@ def test_artifact_location_only_for_a_sqlite_store(tmp_path):
 
 def test_package_versions_is_cheap_and_complete():
     v = package_versions()
-    assert set(v) == {"torch", "transformers", "tokenizers", "lightning", "mlflow", "omegaconf", "numpy", "python", "gearlab",
+    assert set(v) == {"torch", "transformers", "tokenizers", "lightning", "mlflow", "omegaconf", "numpy", "python",
+                      "gearlab",
                       "cpu_model", "cpu_kernels", "aten_cpu_capability", "mkl_cbwr", "onednn_max_cpu_isa",
                       "torch_threads", "cpu_capability"}  # the last two because torch is loaded in this process
     assert v["torch_threads"] == str(torch.get_num_threads())
@@ -102,8 +114,12 @@ def test_runs_url_opens_the_runs_tab_of_the_installed_mlflow_ui():
         "https://mlflow.example.org/base/#/experiments/3/runs?workflowType=machine_learning"  # no credentials printed
     root = Path(mlflow.__file__).parent
     # MLflow's own run links are hash routes under the server's address
-    assert 'f"{host_url}/#/experiments/{experiment_id}"' in (root / "tracking" / "_tracking_service" / "client.py").read_text()
-    ui = "".join(p.read_text(errors="ignore") for p in (root / "server" / "js" / "build" / "static" / "js").glob("main.*.js"))
+    assert 'f"{host_url}/#/experiments/{experiment_id}"' in (
+        root / "tracking" / "_tracking_service" / "client.py"
+    ).read_text()
+    ui = "".join(
+        p.read_text(errors="ignore") for p in (root / "server" / "js" / "build" / "static" / "js").glob("main.*.js")
+    )
     assert '"/experiments/:experimentId/runs"' in ui  # the runs tab
     assert 'get("workflowType")' in ui and 'MACHINE_LEARNING="machine_learning"' in ui  # the switch, read from the URL
     assert 'key:"mlflow.workflowType"' in ui  # ... which otherwise comes from the browser's storage

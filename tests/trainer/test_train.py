@@ -39,7 +39,9 @@ def test_train_logs_to_mlflow(tmp_path, tiny_model_dir):
     keys = set(run.data.metrics)
     assert "train/pass_at_4" in keys and "update/clipfrac" in keys and "update/kl" in keys
     assert not any(c in k for k in keys for c in "@()")
-    assert (res.run_dir / "checkpoints" / "last.ckpt").is_file() and (res.run_dir / "checkpoints" / "config.yaml").is_file()
+    assert (res.run_dir / "checkpoints" / "last.ckpt").is_file() and (
+        res.run_dir / "checkpoints" / "config.yaml"
+    ).is_file()
 
 
 def test_resume_is_exact(tmp_path, tiny_model_dir):
@@ -200,7 +202,9 @@ def test_no_learning_signal_is_warned_and_training_problems_are_not_called_held_
     client = mlflow.MlflowClient(res.tracking_uri)
     run = client.get_run(res.mlflow_run_id)
     assert run.data.tags["eval_split"] == "train" and not res.eval_held_out
-    counted = sorted(client.get_metric_history(res.mlflow_run_id, "train/no_signal_iterations_total"), key=lambda m: m.step)
+    counted = sorted(
+        client.get_metric_history(res.mlflow_run_id, "train/no_signal_iterations_total"), key=lambda m: m.step
+    )
     assert [m.value for m in counted] == [1.0, 2.0, 3.0, 4.0]
     # the name compare and the docs use is the name on record: before training and after the last iteration
     assert primary_metric(load_config(["eval.k=2"])) == "eval/avg_at_2"
@@ -224,7 +228,8 @@ def test_eval_and_help_commands(tmp_path, tiny_model_dir):
 
     assert main(["--help"]) == 0
     out = subprocess.run([sys.executable, "-m", "gearlab.cli", "eval", f"model.name_or_path={tiny_model_dir}",
-                          "eval.num_problems=8", "eval.k=2", "rollout.max_new_tokens=8", f"trainer.output_dir={tmp_path}"],
+                          "eval.num_problems=8", "eval.k=2", "rollout.max_new_tokens=8",
+                          f"trainer.output_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     import json
@@ -298,7 +303,8 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
 
     cfg = load_config(_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=6", "trainer.checkpoint_every=10"))
     monkeypatch.setattr(module_mod.GRPOModule, "_update", ctrl_c_during_iteration_3)
-    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (CI may run with SIGINT ignored)
+    # as in a terminal (CI may run with SIGINT ignored)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         first = train(cfg)
         restored = signal.getsignal(signal.SIGINT)
@@ -312,14 +318,18 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
     ck = torch.load(first.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert ck["gearlab"]["iterations_done"] == 3
     text = train_summary(first, ["train", "trainer.max_steps=6"])
-    assert "interrupted after 3 of 6 iterations" in text and "resume (same MLflow run, exact): gearlab train trainer.max_steps=6" in text
+    assert "interrupted after 3 of 6 iterations" in text and (
+        "resume (same MLflow run, exact): gearlab train trainer.max_steps=6"
+    ) in text
     second = train(cfg)
     assert second.mlflow_run_id == first.mlflow_run_id and second.iterations_done == 6 and not second.stopped_early
     assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(first.mlflow_run_id, "train/reward")]
     assert sorted(steps) == list(range(6))  # one value per iteration, none twice
     text = train_summary(second, ["train"])
-    assert "done: 6 iterations" in text and "greedy_accuracy" in text and "mlflow ui --backend-store-uri sqlite:///" in text
+    assert "done: 6 iterations" in text and "greedy_accuracy" in text and (
+        "mlflow ui --backend-store-uri sqlite:///"
+    ) in text
     # the run's task and the sampling keys it changed, read back from the run folder's config.yaml
     assert (f"see its credit on one batch: gearlab inspect task=arith model.name_or_path={second.run_dir / 'final'} "
             f"rollout.group_size=4 rollout.max_new_tokens=12 algorithm.micro_batch_size=8") in text.splitlines()
@@ -327,7 +337,9 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
 
 def test_deadline_stops_after_the_iteration_with_a_checkpoint_and_resumes(tmp_path, tiny_model_dir):
     """trainer.deadline (a Unix time) passed: the run ends at the next iteration boundary, resumable, as for Ctrl-C."""
-    first = train(load_config(_overrides(tmp_path, tiny_model_dir, "trainer.deadline=1", "trainer.checkpoint_every=10")))
+    first = train(
+        load_config(_overrides(tmp_path, tiny_model_dir, "trainer.deadline=1", "trainer.checkpoint_every=10"))
+    )
     assert first.stopped_early and not first.interrupted and first.iterations_done == 1
     ck = torch.load(first.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert ck["gearlab"]["iterations_done"] == 1
@@ -376,7 +388,8 @@ def test_missing_model_is_one_line_in_every_command(tmp_path, command, capsys):
 
     missing = tmp_path / "runs" / "arith-grpo-s0" / "final"
     extra = {"replay": [f"replay.rollouts={tmp_path / 'r.pt'}"],
-             "export": [f"export.checkpoint={tmp_path / 'last.ckpt'}", f"export.out={tmp_path / 'hf'}"]}.get(command, [])
+             "export": [f"export.checkpoint={tmp_path / 'last.ckpt'}",
+             f"export.out={tmp_path / 'hf'}"]}.get(command, [])
     assert main([command, f"model.name_or_path={missing}", f"trainer.output_dir={tmp_path / 'out'}",
                  f"inspect.out_dir={tmp_path / 'insp'}", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -403,7 +416,9 @@ def test_jsonl_task_from_the_readme(tmp_path, tiny_model_dir, capsys):
     from gearlab.cli import main
 
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(20)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(20))
+    )
     assert main(["train", "task=jsonl", f"task.options.train_path={data}",
                  *_overrides(tmp_path, tiny_model_dir, "trainer.max_steps=1")]) == 0
     assert "done: 1 iterations" in capsys.readouterr().out

@@ -49,7 +49,8 @@ def test_assigner_trains_end_to_end(name, tmp_path, tiny_model_dir, monkeypatch)
 
 @pytest.mark.parametrize("name", TURN)
 def test_turn_methods_refuse_a_single_turn_task_at_start_up(name, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", f"assigner={name}", f"trainer.output_dir={tmp_path}"],
+    out = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", f"assigner={name}",
+                         f"trainer.output_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "single-turn" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -37,7 +37,10 @@ def main(db: str) -> None:
     for a in METHODS:
         greedy = [round(100 * d[(a, s)]["greedy"][-1], 1) for s in seeds]
         print(f"{a:13s} avg@4 per seed {np.round(final[a], 2).tolist()}  greedy per seed {greedy}")
-    print(f"start (every run): avg@4 {100 * d[('grpo', seeds[0])]['avg'][0]:.2f}%, greedy {100 * d[('grpo', seeds[0])]['greedy'][0]:.1f}%")
+    print(
+        f"start (every run): avg@4 {100 * d[('grpo', seeds[0])]['avg'][0]:.2f}%, greedy "
+        f"{100 * d[('grpo', seeds[0])]['greedy'][0]:.1f}%"
+    )
     tests = sorted(((a, stats.ttest_rel(final[a], final["grpo"]).pvalue, (final[a] - final["grpo"]).mean())
                     for a in METHODS[1:]), key=lambda x: x[1])
     holm = 0.0
@@ -47,7 +50,9 @@ def main(db: str) -> None:
     t975 = stats.t.ppf(0.975, len(seeds) - 1)
     for a in METHODS:
         ch = 100 * np.array([d[(a, s)]["greedy"][-1] - d[(a, s)]["greedy"][0] for s in seeds])
-        tm = {k: round(float(np.mean([d[(a, s)]["time"][k] for s in seeds])), 2) for k in ("rollout_s", "signals_credit_s", "update_s")}
+        tm = {k: round(
+            float(np.mean([d[(a, s)]["time"][k] for s in seeds])), 2
+        ) for k in ("rollout_s", "signals_credit_s", "update_s")}
         print(f"{a:13s} greedy change {ch.mean():+.1f} ± {t975 * ch.std(ddof=1) / np.sqrt(len(seeds)):.1f} points; "
               f"per iteration {tm}")
 
