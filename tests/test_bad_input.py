@@ -82,8 +82,9 @@ def test_a_10_mb_prompt_line_is_refused_from_its_bytes(tmp_path, tiny_model_dir)
     rc, lines, seconds, peak_mb = _train(tmp_path, tiny_model_dir, "task=jsonl", f"task.options.train_path={data}")
     line = _one_line_exit_2(rc, lines, f"{data}:3: prompt is 10,200,000 bytes, so at least ", LIMIT_MSG)
     assert "tokens after the chat template" not in line  # refused before tokenising
-    # before: 24 GB and killed by the kernel; now the start-up of the CLI itself dominates
-    assert seconds < 60 and peak_mb < 2_000, (seconds, peak_mb)
+    # unchecked, it grew to 24 GB and was killed by the kernel; now the CLI's own start-up dominates (its imports
+    # alone take about 0.7 GB; 2.1 GB peak was measured on CI's machine)
+    assert seconds < 60 and peak_mb < 4_000, (seconds, peak_mb)
     assert not (tmp_path / "out").exists()
 
 

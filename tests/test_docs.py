@@ -56,10 +56,10 @@ def test_every_relative_link_resolves():
 def test_the_link_checker_sees_links():
     """Guards the checker itself: a broken link is found, external links and anchors are not files, code is skipped."""
     text = (
-        "[a](docs/x.md#y) ![b](img.png) [c](https://e.org/z.md) [d](#top) `[e](not/a/link.md)`\n```\n[f](g.md)\n```\n"
+        "[a](notes/x.md#y) ![b](img.png) [c](https://e.org/z.md) [d](#top) `[e](not/a/link.md)`\n```\n[f](g.md)\n```\n"
     )
-    assert [t for _, t in _links(text)] == ["docs/x.md#y", "img.png", "https://e.org/z.md", "#top"]
-    assert [_relative(t) for _, t in _links(text)] == ["docs/x.md", "img.png", None, None]
+    assert [t for _, t in _links(text)] == ["notes/x.md#y", "img.png", "https://e.org/z.md", "#top"]
+    assert [_relative(t) for _, t in _links(text)] == ["notes/x.md", "img.png", None, None]
 
 
 def test_readme_links_the_docs_pages():

@@ -42,7 +42,15 @@ def test_multi_turn_training(name, tmp_path, tool_model_dir):
 
 
 def test_function_calling_trains(tmp_path, tiny_model_dir):
-    cfg = load_config(["task=fncall", f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
+    import json
+    import shutil
+
+    # the sample's prompts (up to 571 tokens after the chat template) need more context than the tiny model's 512
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 1024}))
+    cfg = load_config(["task=fncall", f"model.name_or_path={model}", f"trainer.output_dir={tmp_path}",
                        "trainer.max_steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
                        "rollout.max_new_tokens=8", "trainer.progress_bar=false", "eval.num_problems=2"])
     res = train(cfg)
