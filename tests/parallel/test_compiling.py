@@ -50,7 +50,10 @@ def test_compiled_layers_and_head_match_eager_values_and_gradients(tiny_model_fa
         torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent1, ent0, rtol=1e-5, atol=1e-5)
         for n in g0:
-            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+            # atol 1e-5: the tied embedding's gradient sums every token's contribution, and the eager side's matrix
+            # products (MKL's generic branch, gearlab.cpu_kernels) add in another order than inductor's kernels:
+            # single elements near cancellation differ by ~2e-6 (gradients here are ~1e-2)
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_compiled_kl_matches_eager():
