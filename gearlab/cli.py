@@ -274,10 +274,21 @@ def compare_summary(cfg) -> str:
     ])
 
 
+def _leave_process_group() -> None:
+    """Tear down a multi-process run's process group before the interpreter exits: left to interpreter shutdown,
+    a rank of a two-node torchrun launch was seen to abort (SIGABRT, "terminate called without an active exception")
+    after its run had finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _train(cfg) -> int:
     from gearlab.trainer.train import train
 
     res = train(cfg)
+    _leave_process_group()
     if res.already_finished:  # nothing done, nothing changed
         from gearlab.trainer.resume import finished_message
         from gearlab.trainer.train import _is_launch_rank_zero
