@@ -486,11 +486,7 @@ class _CallCgroups:
             pids = self.procs()
             if not pids:
                 return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            _sigkill(pids)
             time.sleep(0.001)
 
     def remove(self) -> None:
@@ -694,6 +690,15 @@ def _read_info(fd: int, deadline: float) -> dict[str, str]:
     return info
 
 
+def _sigkill(pids) -> None:
+    """SIGKILL each pid; one already gone (or no longer ours to signal) is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _procs_to_kill(pgid: int, pidns: str | None) -> list[int]:
     """Pids still in the child's session/process group, or in its pid namespace."""
     found = []
@@ -732,11 +737,7 @@ def _kill_all(pgid: int, pidns: str | None, cgroups: _CallCgroups | None) -> Non
         pids = _procs_to_kill(pgid, pidns)
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _sigkill(pids)
         time.sleep(0.01)
 
 
