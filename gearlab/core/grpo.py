@@ -31,6 +31,13 @@ def _group_stats(r: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, 
     return inv, count, total, gmin, gmax
 
 
+def _sqrt(x: Tensor) -> Tensor:
+    """sqrt, correctly rounded on every device. torch's float32 CPU sqrt goes through MKL's vector maths, which is
+    not correctly rounded and differs in the last bit between Intel and AMD CPUs (experiments/cpu_vml_probe.py: 8%
+    of inputs); the float64 sqrt rounded back is the correctly rounded float32 (as CUDA's sqrt) everywhere."""
+    return x.double().sqrt().to(x.dtype)
+
+
 def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = True,
                      eps: float = 1e-6, leave_one_out: bool = False, std_scope: str = "group",
                      singleton: str = "raw") -> Tensor:
@@ -76,13 +83,13 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool =
         # Removing x_i from a sample of n changes its sum of squares by n/(n-1) * (x_i - mean)^2.
         ss_o = (ss - dev * dev * n / n_o.clamp_min(1)).clamp_min(0)
         std = torch.where(others_equal | (n_o < 2), torch.zeros_like(r),
-                          (ss_o / (n_o - 1).clamp_min(1)).sqrt())
+                          _sqrt(ss_o / (n_o - 1).clamp_min(1)))
         if scale_by_std and std_scope == "group":
             adv = torch.where(std > 0, adv / (std + eps), adv)
     else:
         adv = dev
         if scale_by_std and std_scope == "group":
-            adv = adv / ((ss / (n - 1).clamp_min(1)).sqrt() + eps)
+            adv = adv / (_sqrt(ss / (n - 1).clamp_min(1)) + eps)
     if scale_by_std and std_scope == "batch":
         batch_std = r.std() if r.numel() > 1 else r.new_zeros(())
         adv = adv / (batch_std + eps)

@@ -102,6 +102,22 @@ def test_vectorised_matches_loop(scale, loo):
           _loop_reference(r, ids, scale, loo), atol=1e-10)
 
 
+def test_group_std_is_correctly_rounded():
+    # The float32 std must be the correctly rounded sqrt of the variance (as on a GPU): torch's CPU float32 sqrt is
+    # off by one bit for ~8% of inputs and by another bit on Intel than on AMD, which moved every later digit of a
+    # run between CPU classes (experiments/cpu_vml_probe.py).
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(4096, generator=g)  # 1024 groups of 4 with distinct variances
+    ids = torch.arange(4096) // 4
+    adv = group_advantages(r, ids, eps=0.0)
+    for i in range(0, 4096, 4):
+        grp = r[i:i + 4]
+        dev = grp - grp.sum() / 4
+        var = (dev * dev).sum() / 3  # the same float32 operations as group_advantages
+        std = torch.tensor(math.sqrt(float(var)), dtype=torch.float32)  # correctly rounded
+        assert torch.equal(adv[i:i + 4], dev / std), i
+
+
 # ----------------------------------------------------------------------------- verl golden values
 # Fixture of docs/grpo.md#reference-values, reconstructed: torch.manual_seed(0); old = -2 * torch.rand(8, 4);
 # logp = old + 0.6 * (torch.rand(8, 4) - 0.5); ref = old + 0.1; response lengths [3,2,4,1,2,3,4,2];
