@@ -61,9 +61,8 @@ reading (b) continues
 * Segment length (onset included) is at most l_max. Segments never contain a masked token and never
   cross a change of ``batch.turn_ids``.
 * tanh: the group's scale c is the median (linear interpolation) of e over the onsets GEAR finds in the
-  group's A ≠ 0 responses; "batch" pools every onset of the batch (not invariant to how a batch is split over
-  ranks; "group" is, since a group never spans ranks); "absolute" uses c = ``d_scale``. A group without
-  onsets, or with c ≤ 1e-12, has s ≡ 0, so w ≡ 1. ``credit/gear_clip_frac`` is the share of segments whose
+  group's A ≠ 0 responses; "batch" pools every onset of the global batch (of all data-parallel ranks);
+  "absolute" uses c = ``d_scale``. A group without onsets, or with c ≤ 1e-12, has s ≡ 0, so w ≡ 1. ``credit/gear_clip_frac`` is the share of segments whose
   weight factor lies within 1% of ε_w of a bound (|w − 1| ≥ 0.99·ε_w, before normalisation).
 * exp (the first reconstruction, kept bit-identical): g_t = d_t / mean over the generated tokens of d; if that
   mean is ≤ 1e-12 (e.g. teacher ≡ student, or an unclamped sampled divergence with a non-positive mean) g ≡ 1,
@@ -95,7 +94,7 @@ import torch
 from torch import Tensor
 
 from gearlab.core.batch import RolloutBatch
-from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
+from gearlab.credit import CreditAssigner, CreditOutput, Signal, all_reduce_sum, gather_values, register
 from gearlab.credit.controls import place_fixed, place_random
 from gearlab.credit.options import option
 from gearlab.credit.seeding import row_seeds
@@ -349,6 +348,8 @@ onsets,
             K = int(gidx.max().item()) + 1 if B > 0 else 0
             num = torch.zeros(K, dtype=f64, device=dev).index_add_(0, gidx, N.to(f64))
             den = torch.zeros(K, dtype=f64, device=dev).index_add_(0, gidx, w.sum(dim=1))
+            if self.normalisation == "batch":  # the global batch's mass (a group never spans ranks)
+                num, den = all_reduce_sum(num), all_reduce_sum(den)
             w = w * (num / den.clamp(min=1e-30))[gidx][:, None]
 
         out_dtype = seq_advantages.dtype if seq_advantages.is_floating_point() else torch.float32
@@ -386,7 +387,11 @@ onsets,
             else:
                 key = torch.zeros(B, dtype=torch.long, device=d.device)
             rows, cols = onset.nonzero(as_tuple=True)
-            c = _grouped_median(e[rows, cols], key[rows], int(key.max()) + 1 if B else 0)[key]
+            if self.scale == "group":
+                c = _grouped_median(e[rows, cols], key[rows], int(key.max()) + 1 if B else 0)[key]
+            else:  # the median over the onsets of the GLOBAL batch (every rank's, when it is split over ranks)
+                pooled = gather_values(e[rows, cols])
+                c = _grouped_median(pooled, torch.zeros_like(pooled, dtype=torch.long), 1).expand(B)
         ok = c > _MEAN_EPS
         return torch.where(
             ok[:, None], torch.log1p(e / torch.where(ok, c, torch.ones_like(c))[:, None]), torch.zeros_like(e)

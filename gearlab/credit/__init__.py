@@ -8,7 +8,10 @@ Adding a credit method: one module with a ``@register("name")`` class in ``assig
 """
 from gearlab.credit.api import (ENTRY_POINT_GROUP, CreditAssigner, CreditOutput, available, build, get,
                                 load_module, register)
+from gearlab.parallel.distributed import all_reduce_sum, gather_values
 from gearlab.signals.registry import Signal
 
-__all__ = ["ENTRY_POINT_GROUP", "CreditAssigner", "CreditOutput", "Signal", "available", "build", "get", "load_module",
-           "register"]
+# all_reduce_sum / gather_values: for a method's batch-scope statistic (a sum, a median) over the GLOBAL batch when
+# the batch is split over data-parallel ranks (no-ops in one process); every rank's assign() calls them together
+__all__ = ["ENTRY_POINT_GROUP", "CreditAssigner", "CreditOutput", "Signal", "all_reduce_sum", "available", "build",
+           "gather_values", "get", "load_module", "register"]

@@ -147,6 +147,56 @@ def global_max_int(x: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def _group() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(), dist.get_rank()
+
+
+def gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """The rows of every rank, in rank order: x [n, ...] on each rank → [world · n, ...] (x itself without a process
+    group). Every rank must pass the same n; a [n, T] tensor whose T differs between ranks is right-padded with 0 to
+    the largest T first. Every rank calls it."""
+    import torch.distributed as dist
+
+    world, _ = _group()
+    if world == 1:
+        return x
+    if x.dim() == 2:
+        width = global_max_int(x.shape[1], x.device)
+        x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def gather_values(x: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor of any length per rank → the concatenation over ranks in rank order (x without a process group),
+    e.g. for a batch statistic (a median, a sum) that must not depend on how the batch is split. Every rank calls
+    it."""
+    world, _ = _group()
+    if world == 1:
+        return x
+    n = torch.tensor([x.numel()], device=x.device)
+    counts = gather_rows(n).tolist()
+    padded = torch.nn.functional.pad(x.reshape(-1), (0, max(counts) - x.numel()))
+    rows = gather_rows(padded[None])  # [world, max]
+    return torch.cat([rows[r, :c] for r, c in enumerate(counts)])
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over ranks (a new tensor; x itself without a process group). Every rank calls it."""
+    import torch.distributed as dist
+
+    if _group()[0] == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 

@@ -61,6 +61,18 @@ def step_seed(base_seed: int, step: int, rank: int = 0) -> int:
     return (base_seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
 
 
+def row_seeds(seed: int | Tensor, n: int) -> Tensor:
+    """Per-row sampling seeds [n] int64 of one engine call: ``seed + i`` for row i when ``seed`` is an int, else the
+    given [n] tensor (e.g. multi-turn: the seeds of the episodes still active). The trainer folds the global index of
+    a rank's first row into ``seed``, so a row's sample depends on its global row, never on how many ranks share
+    the batch."""
+    if isinstance(seed, Tensor):
+        if seed.shape != (n,):
+            raise ValueError(f"per-row seeds of shape {tuple(seed.shape)} for {n} rows")
+        return seed.to(torch.int64).cpu() % (2**63 - 1)
+    return (seed + torch.arange(n, dtype=torch.int64)) % (2**63 - 1)
+
+
 STATIC_PAD = 64
 
 

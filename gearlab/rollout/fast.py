@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from gearlab.parallel.distributed import unsharded
-from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, stop_token_ids
+from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, row_seeds, stop_token_ids
 from gearlab.rollout.decoder import Decoder, KVCache
 from gearlab.rollout.sampler import sample_rows
 
@@ -87,7 +87,7 @@ class FastDecoder:
     # -- the TokenGenerator protocol ------------------------------------------------------------
     @torch.no_grad()
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
-               seed: int) -> tuple[Tensor, Tensor, Tensor]:
+               seed: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Left-padded prompts [N, P] → (response ids [N, T] right-padded, mask [N, T] bool, the engine's log-probs
         of the sampled tokens [N, T] float32, 0 on padding)."""
         was_training = model.training
@@ -102,9 +102,10 @@ class FastDecoder:
                 ids, mask = prompt_ids, prompt_mask
                 if self._fixed_shapes(model):  # a few prompt widths recur: captured graphs are reused
                     ids, mask = pad_left_to(prompt_ids, prompt_mask, STATIC_PAD, self.pad_id)
+                all_seeds = row_seeds(seed, ids.shape[0])
                 for s in range(0, ids.shape[0], self.batch_size):
                     rows = slice(s, s + self.batch_size)
-                    seeds = (seed + torch.arange(s, min(s + self.batch_size, ids.shape[0]))) % (2**63 - 1)
+                    seeds = all_seeds[s : s + self.batch_size]
                     tok, lp, n = self._decode(dec, ids[rows].to(dev), mask[rows].to(dev), seeds.to(dev), sampling)
                     outs.append((tok.cpu(), lp.cpu()))
                     steps += n

@@ -1,9 +1,10 @@
 """Rollout engine on Hugging Face ``generate``: G samples per prompt, token-in/token-out.
 
 The sampled token ids are kept exactly as generated (no decode → re-encode round trip); text is
-decoded only to score it. Sampling is seeded per step from the run's seed, inside
-``torch.random.fork_rng`` so the rest of the program's RNG stream is untouched and a resumed run
-draws the same samples as an uninterrupted one.
+decoded only to score it. Sampling uses the per-row seeded draw of the fast decoder and vLLM
+(``gearlab.rollout.sampler``, a logits processor in front of greedy selection): row i of a call draws with seed
+``seed + i``, so a row's sample does not depend on the other rows of its batch, on the batch size or on how many
+ranks share the batch, never touches torch's global RNG, and equals the fast decoder's wherever their logits agree.
 """
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from typing import Sequence
 
 import torch
 from torch import Tensor, nn
+from transformers import LogitsProcessor
 
 from gearlab.core.batch import RolloutBatch
 from gearlab.parallel.distributed import global_max_int
 from gearlab.rollout.base import (STATIC_PAD, SamplingParams, TokenGenerator, idle_prompt, left_pad, pad_left_to,
-                                  stop_token_ids)
+                                  row_seeds, stop_token_ids)
+from gearlab.rollout.sampler import sample_rows
 from gearlab.tasks.base import Problem, Task
 
 
@@ -56,7 +59,7 @@ class HFRolloutEngine:
         return stop_token_ids(self.tok)
 
     def sample(
-        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int
+        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int | Tensor
     ) -> tuple[Tensor, Tensor]:
         """Generate for each prompt row: (response_ids [N, T] right-padded, response_mask [N, T] bool).
 
@@ -66,7 +69,7 @@ class HFRolloutEngine:
         return resp, mask
 
     def sample_with_logprobs(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
-                             seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
+                             seed: int | Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """``sample`` plus the generating engine's log-probs of the sampled tokens [N, T] (None for HF
         ``generate``: the trainer's own forward is the reference there)."""
         if self.generator is not None:
@@ -75,7 +78,7 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def _hf_sample(
-        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int
+        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int | Tensor
     ) -> tuple[Tensor, Tensor]:
         was_training = model.training
         model.eval()
@@ -86,27 +89,33 @@ class HFRolloutEngine:
         n_calls = math.ceil(N / self.batch_size)
         if self.synced_gpus:  # ranks may hold different numbers of rows (multi-turn): all make the same calls
             n_calls = global_max_int(n_calls, device)
+        seeds = row_seeds(seed, N)
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed)
-                for c in range(n_calls):
-                    s = c * self.batch_size
-                    idle = s >= N  # this rank has no rows left: a one-row call whose output is dropped
-                    ids = (prompt_ids[s : s + self.batch_size] if not idle else idle_prompt(
-                        prompt_ids, self.tok.pad_token_id
-                    )).to(device)
-                    mask = (prompt_mask[s : s + self.batch_size] if not idle else torch.ones_like(ids)).to(device)
-                    kw = dict(do_sample=False) if sampling.greedy else dict(
-                        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-                    if self.synced_gpus:
-                        kw["synced_gpus"] = True
-                    if self.static_cache and not self.synced_gpus:  # (sharded policies decode eagerly)
-                        ids, mask = pad_left_to(ids, mask, STATIC_PAD, self.tok.pad_token_id)
-                        kw["cache_implementation"] = "static"
-                    gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
-                                         eos_token_id=stop, pad_token_id=self.tok.pad_token_id, **kw)
-                    if not idle:
-                        outs.append(gen[:, ids.shape[1]:].cpu())
+            for c in range(n_calls):
+                s = c * self.batch_size
+                idle = s >= N  # this rank has no rows left: a one-row call whose output is dropped
+                ids = (prompt_ids[s : s + self.batch_size] if not idle else idle_prompt(
+                    prompt_ids, self.tok.pad_token_id
+                )).to(device)
+                mask = (prompt_mask[s : s + self.batch_size] if not idle else torch.ones_like(ids)).to(device)
+                kw: dict = {}
+                if not sampling.greedy:
+                    rows = seeds[s : s + self.batch_size] if not idle else seeds.new_zeros(1)
+                    kw["logits_processor"] = [_RowSampler(rows.to(device), ids.shape[1], sampling)]
+                if self.synced_gpus:
+                    kw["synced_gpus"] = True
+                if self.static_cache and not self.synced_gpus:  # (sharded policies decode eagerly)
+                    ids, mask = pad_left_to(ids, mask, STATIC_PAD, self.tok.pad_token_id)
+                    kw["cache_implementation"] = "static"
+                    if "logits_processor" in kw:
+                        kw["logits_processor"][0].width = ids.shape[1]
+                # greedy selection after the row sampler's one-hot logits = the sampled token; the model's own
+                # generation config (temperature, top-k/p of a pretrained checkpoint) must not act a second time
+                gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
+                                     eos_token_id=stop, pad_token_id=self.tok.pad_token_id, do_sample=False,
+                                     temperature=None, top_p=None, top_k=None, **kw)
+                if not idle:
+                    outs.append(gen[:, ids.shape[1]:].cpu())
         finally:
             model.train(was_training)
         if not outs:
@@ -165,3 +174,16 @@ class HFRolloutEngine:
         )
 
 
+class _RowSampler(LogitsProcessor):
+    """A ``generate`` logits processor that draws each row's next token with its own seed
+    (``gearlab.rollout.sampler.sample_rows``; the decode step is the number of tokens generated so far) and returns
+    logits that are -inf everywhere else, so the greedy selection after it takes the drawn token."""
+
+    def __init__(self, seeds: Tensor, width: int, sampling: SamplingParams) -> None:
+        self.seeds, self.width, self.sp = seeds, width, sampling
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        step = torch.tensor(input_ids.shape[1] - self.width, dtype=torch.int64, device=scores.device)
+        tok, _ = sample_rows(scores, self.seeds, step, temperature=self.sp.temperature, top_k=self.sp.top_k,
+                             top_p=self.sp.top_p)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tok[:, None], 0.0)

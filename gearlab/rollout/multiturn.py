@@ -68,6 +68,7 @@ class Episode:
     correct_calls: int = 0
     finished: bool = False
     env_errors: int = 0
+    index: int = 0  # its row in the rollout call: its sampling seed is the call's seed + index
 
     def append(self, ids: Sequence[int], generated: bool, turn: int, logprobs: Sequence[float] | None = None) -> None:
         self.tokens += list(ids)
@@ -143,10 +144,10 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
         budget = self.max_total_tokens or sampling.max_new_tokens * self.max_turns
         stop = set(self._stop_ids())
         episodes = []
-        for p in problems:
+        for i, p in enumerate(problems):
             env = self.task.make_env(p)
             obs0 = env.reset()
-            episodes.append(Episode(p, env, _prompt_ids(self.tok, self.task, p, privileged), anchors=[obs0]))
+            episodes.append(Episode(p, env, _prompt_ids(self.tok, self.task, p, privileged), anchors=[obs0], index=i))
         pool = ThreadPoolExecutor(self.step_workers) if self.step_workers > 1 else None
         try:
             device = next(model.parameters()).device
@@ -162,10 +163,12 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
                     continue
                 caps = [min(sampling.max_new_tokens, budget - len(e.tokens)) for e in active]
                 ids, mask = left_pad([e.prompt + e.tokens for e in active], self.tok.pad_token_id)
-                turn_seed = (seed + 1_000_003 * (turn + 1)) % (2**63 - 1)
+                # each episode's own seed per turn (its index in the call: the trainer folds the rank's first
+                # global row into ``seed``), whichever episodes are still active beside it
+                turn_seeds = (seed + 1_000_003 * (turn + 1) + torch.tensor([e.index for e in active])) % (2**63 - 1)
                 resp, rmask, lps = self.sample_with_logprobs(model, ids, mask, replace(sampling,
                                                              max_new_tokens=max(caps)),
-                                                             turn_seed)
+                                                             turn_seeds)
                 acting: list[tuple[Episode, str]] = []
                 for k, (e, cap, row, m) in enumerate(zip(active, caps, resp, rmask)):
                     toks = row[: int(m.sum())].tolist()[:cap]

@@ -25,8 +25,9 @@ Tensor parallelism (``tensor_parallel_size`` > 1 with vLLM's ``external_launcher
 group pool their prompts, generate together, and each keeps its own rows) is written against vLLM's documented
 API and has not run on GPUs.
 
-Seeds: request ``i`` of a call gets seed ``seed + i`` (vLLM's per-request generator), so a row's sample
-depends only on (run seed, step, rank, row) and the weights — paired runs stay paired.
+Seeds: request ``i`` of a call gets seed ``seed + i`` (vLLM's per-request generator; or the per-row seeds given,
+``gearlab.rollout.base.row_seeds``), so a row's sample depends only on (run seed, step, global row) and the
+weights — paired runs stay paired, and the number of ranks changes no seed.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from gearlab.rollout.base import SamplingParams, stop_token_ids
+from gearlab.rollout.base import SamplingParams, row_seeds, stop_token_ids
 
 log = logging.getLogger("gearlab")
 
@@ -108,10 +109,10 @@ class VLLMGenerator:
         first stop token, as with HF ``generate``."""
         self._ready(model)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
-        rows, keep, seed = self._tp_pool(rows, seed)
+        rows, keep, seeds = self._tp_pool(rows, row_seeds(seed, len(rows)).tolist())
         if not rows:  # (a rank with nothing to generate this turn)
             return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool), torch.zeros((0, 1))
-        params = [self._params(sampling, (seed + i) % (2**63 - 1)) for i in range(len(rows))]
+        params = [self._params(sampling, s) for s in seeds]
         from vllm.inputs import TokensPrompt
 
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
@@ -327,12 +328,12 @@ class VLLMGenerator:
                    stop_token_ids=self.stop_ids,
                    logprobs=0, seed=seed, detokenize=False)
 
-    def _tp_pool(self, rows: list[list[int]], seed: int) -> tuple[list[list[int]], list[int], int]:
+    def _tp_pool(self, rows: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
         """Tensor parallelism: the ranks of one TP group must submit the SAME requests, so their prompts are
-        pooled (group order) and seeded from the group's first rank; each keeps its own rows. Returns (requests,
-        indices of this rank's rows among them, seed). Without TP: the rows themselves."""
+        pooled (group order) with their own per-row seeds; each keeps its own rows. Returns (requests, indices of
+        this rank's rows among them, the requests' seeds). Without TP: the rows themselves."""
         if self.tp <= 1:
-            return rows, list(range(len(rows))), seed
+            return rows, list(range(len(rows))), seeds
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -344,10 +345,10 @@ class VLLMGenerator:
                 if start <= rank < start + self.tp:
                     self._tp_group = g
         gathered: list[Any] = [None] * self.tp
-        dist.all_gather_object(gathered, (rows, seed), group=self._tp_group)
+        dist.all_gather_object(gathered, (rows, seeds), group=self._tp_group)
         pooled = [r for part, _ in gathered for r in part]
         offset = sum(len(part) for part, _ in gathered[: rank % self.tp])
-        return pooled, list(range(offset, offset + len(rows))), gathered[0][1]
+        return pooled, list(range(offset, offset + len(rows))), [s for _, part in gathered for s in part]
 
 
 def _sampled_logprobs(out: Any) -> list[float]:

@@ -18,14 +18,14 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 
 from gearlab.core import grpo
 from gearlab.core.batch import RolloutBatch
 from gearlab.config import Config
 from gearlab.credit import CreditAssigner, CreditOutput, Signal
 from gearlab.credit.diagnostics import credit_diagnostics
-from gearlab.parallel.distributed import gathered_for_generation, global_max_int, is_fsdp1
+from gearlab.parallel.distributed import (all_reduce_sum, gather_rows, gathered_for_generation, global_max_int,
+                                          is_fsdp1)
 from gearlab.core.logprobs import response_hidden, token_logprobs
 from gearlab.core.metrics import pass_at_k
 from gearlab.rollout.base import SamplingParams, step_seed
@@ -74,7 +74,6 @@ class GRPOModule(L.LightningModule):
         self.nonfinite_streak = 0
         self.no_signal_streak = 0  # consecutive iterations in which every group's rewards were equal
         self.totals = {"nonfinite_steps": 0, "reward_errors": 0, "generated_tokens": 0, "no_signal_iterations": 0}
-        self.m_reward, self.m_acc, self.m_pass = MeanMetric(), MeanMetric(), MeanMetric()
 
     # -- Lightning plumbing -------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -159,12 +158,15 @@ class GRPOModule(L.LightningModule):
         cfg, alg = self.cfg, self.cfg.algorithm
         G = cfg.rollout.group_size
         rank = self.trainer.global_rank if self._trainer is not None else 0
+        # row i of this rank is global row rank·B + i: its sampling seed (every engine draws row j of a call with
+        # seed + j) and its group id, hence the whole run, do not depend on how many ranks share the batch
+        first_row = rank * len(batch["problems"]) * G
         t0 = time.perf_counter()
         # HF generate on a sharded policy: gather the weights once, not once per token (another engine holds its own
         # copy)
         with gathered_for_generation(self.policy) if self.generator is None else contextlib.nullcontext():
             rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
-                                      seed=step_seed(cfg.trainer.seed, it, rank),
+                                      seed=step_seed(cfg.trainer.seed, it) + first_row,
                                       with_teacher=self.assigner.teacher_context if needs_teacher(
                                           self.assigner
                                       ) else False,
@@ -172,8 +174,12 @@ class GRPOModule(L.LightningModule):
         if self.generator is not None:
             self.generator.release()  # e.g. vLLM sleeps: its GPU memory goes back to the update
         rb = _to_device(rb, self.device)
-        seq_adv = grpo.group_advantages(rb.rewards, rb.group_ids, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
+        # from the rewards of the GLOBAL batch (every rank computes all of them and keeps its own rows): a group's
+        # statistics, std_scope=batch's std and every logged reward statistic are those of all B rows
+        all_rewards, all_groups = gather_rows(rb.rewards), gather_rows(rb.group_ids)
+        seq_adv = grpo.group_advantages(all_rewards, all_groups, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
                                         leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
+        seq_adv = seq_adv[first_row : first_row + rb.batch_size]
 
         t1 = time.perf_counter()
         on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
@@ -182,7 +188,7 @@ class GRPOModule(L.LightningModule):
         if not in_forward:
             ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy,
                                                   teacher=self.teacher.model,
-                                                  options={"seed": step_seed(cfg.trainer.seed, it, rank),
+                                                  options={"seed": step_seed(cfg.trainer.seed, it),
                                                   **self.assigner.signal_options()})
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)
@@ -201,8 +207,12 @@ class GRPOModule(L.LightningModule):
         if in_forward:
             credit, upd["signals/entropy_in_forward"] = self._forward_credit, 1.0
             adv = credit.token_advantages
-        # the method's own diagnostics, then the same statistics for every method (the core's, not the assigner's)
-        credit.metrics = {**credit.metrics, **credit_diagnostics(adv, seq_adv, rb.response_mask, loss_mask)}
+        # the method's own diagnostics (their mean over ranks), then the same statistics for every method over the
+        # global batch (the core's, not the assigner's)
+        credit.metrics = {**self._rank_mean(credit.metrics),
+                          **credit_diagnostics(gather_rows(adv), gather_rows(seq_adv),
+                                               gather_rows(rb.response_mask.float()) > 0,
+                                               gather_rows(loss_mask.float()) > 0)}
         if self.generator is not None:
             self.generator.mark_stale()  # the next rollout first syncs the new weights into the engine
             upd.update(self.generator.stats())
@@ -225,7 +235,7 @@ class GRPOModule(L.LightningModule):
         self.assigner.on_step_end(self.iterations_done)
         self.teacher.after_iteration(self.iterations_done)
         upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
-        self._log_iteration(rb, seq_adv, credit.metrics, upd)
+        self._log_iteration(rb, all_rewards, all_groups, gather_rows(seq_adv), credit.metrics, upd)
 
     def _entropy_in_forward(self, on_policy: bool) -> bool:
         """Whether this iteration's credit takes the policy's entropy from the update's forward (one pass fewer):
@@ -246,8 +256,12 @@ class GRPOModule(L.LightningModule):
     def _update(
         self, rb: RolloutBatch, adv: Tensor | None, loss_mask: Tensor, it: int, seq_adv: Tensor | None = None
     ) -> dict[str, float]:
-        """ppo_epochs × mini_batches optimizer steps over the rollout; returns averaged diagnostics.
+        """ppo_epochs × mini_batches optimizer steps over the rollout; returns the diagnostics of all of them.
 
+        The mini-batches partition the GLOBAL batch (rows of all ranks, rank order) by one seeded permutation, so
+        mini-batch k holds the same rows whatever the number of ranks; each rank trains its own rows of it (maybe
+        none: it then runs empty passes so that the ranks' collectives still pair up). A non-finite loss or
+        gradient on any rank skips the optimizer step on every rank (one all-reduced flag).
         adv None (with ``seq_adv`` [B]): the credit is assigned inside the update, each micro-batch from the entropy
         of its own forward (``_entropy_in_forward``); the advantages and the method's metrics (averaged over
         micro-batches) are left in ``self._forward_credit``."""
@@ -258,27 +272,31 @@ class GRPOModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         B = rb.batch_size
-        mb_size = B // alg.mini_batches
-        logs: dict[str, list[float]] = {}
+        world = self.trainer.world_size if self._trainer is not None else 1
+        first = (self.trainer.global_rank if self._trainer is not None else 0) * B
+        mb_size = B * world // alg.mini_batches
+        sums: dict[str, Tensor] = {}  # metric → [Σ value·weight, Σ weight] over every micro-batch of every step
+        grad_norms: list[float] = []
         for epoch in range(alg.ppo_epochs):
             g = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, it, 10_000 + epoch))
-            order = torch.randperm(B, generator=g) if alg.mini_batches > 1 else torch.arange(B)
+            order = torch.randperm(B * world, generator=g) if alg.mini_batches > 1 else torch.arange(B * world)
             for m in range(alg.mini_batches):
-                idx = order[m * mb_size : (m + 1) * mb_size].to(self.device)
+                sel = order[m * mb_size : (m + 1) * mb_size]
+                idx = (sel[(sel >= first) & (sel < first + B)] - first).to(self.device)
                 # clamp: a mini-batch with no selected token has a zero loss, not 0/0
-                counts = {name: (self._global_sum(m[idx].sum().float()).clamp_min(1),
-                                 self._global_sum((m[idx].sum(-1) > 0).sum().float()).clamp_min(1))
-                          for name, m in (("pg", loss_mask), ("full", rb.response_mask))}
+                counts = {name: (self._global_sum(mk[idx].sum().float()).clamp_min(1),
+                                 self._global_sum((mk[idx].sum(-1) > 0).sum().float()).clamp_min(1))
+                          for name, mk in (("pg", loss_mask), ("full", rb.response_mask))}
                 opt.zero_grad(set_to_none=True)
                 finite = torch.ones((), device=self.device)
                 chunks = micro_batches(
                     idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens
-                )
+                ) if idx.numel() else []
                 # sharded ranks must run the same number of forward/backward passes: pad with empty ones
                 n_max = global_max_int(len(chunks), self.device)
                 for j in range(n_max):
                     empty = j >= len(chunks)
-                    mi = idx[:1] if empty else chunks[j]
+                    mi = torch.zeros(1, dtype=torch.long, device=self.device) if empty else chunks[j]
                     mask_j = torch.zeros_like(loss_mask[mi]) if empty else loss_mask[mi]
                     hook = None
                     if seq_adv is not None and not empty:
@@ -293,15 +311,21 @@ class GRPOModule(L.LightningModule):
                                 credit_logs.setdefault(k, []).append(float(v))
                             return adv[mi]
                     loss, metrics = self._micro_loss(rb.select(mi), adv[mi], mask_j, counts, assign=hook)
+                    weight = 0.0 if empty else float(rb.response_mask[mi].sum())
                     if empty:
                         loss = loss * 0.0  # takes part in the collectives, contributes nothing
-                        metrics = {}
                     if not torch.isfinite(loss):
+                        # no break: every rank must run the same passes (FSDP's collectives); this one contributes
+                        # nothing and the whole step is skipped below
                         finite.zero_()
-                        break
+                        loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
                     self.manual_backward(loss)
                     for k, v in metrics.items():
-                        logs.setdefault(k, []).append(float(v))
+                        w = 1.0 if k in _LOSS_TERMS else weight  # loss terms: already shares of the global value
+                        acc = sums.setdefault(k, torch.zeros(2, dtype=torch.float64))
+                        acc += torch.tensor([0.0 if empty else float(v) * w, w], dtype=torch.float64)
+                if bool(finite) and not _grads_finite(self.policy):
+                    finite.zero_()
                 if self._global_sum(1.0 - finite) > 0:  # every rank skips together
                     opt.zero_grad(set_to_none=True)
                     self._on_nonfinite()
@@ -312,14 +336,52 @@ class GRPOModule(L.LightningModule):
                         gn = self.policy.clip_grad_norm_(self.cfg.optim.grad_clip)
                     else:
                         gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
-                    logs.setdefault("grad_norm", []).append(float(gn))
+                    grad_norms.append(float(gn))
                 opt.step()
                 sched.step()
         if seq_adv is not None:
             self._forward_credit = CreditOutput(
                 token_advantages=adv, metrics={k: sum(v) / len(v) for k, v in credit_logs.items()}
             )
-        return {k: sum(v) / len(v) for k, v in logs.items()}
+        return self._update_metrics(sums, grad_norms, alg.ppo_epochs * alg.mini_batches, world)
+
+    def _update_metrics(self, sums: dict[str, Tensor], grad_norms: list[float], steps: int,
+                        world: int) -> dict[str, float]:
+        """The update's logged values, global: a loss term (pg_loss, kl, entropy_bonus) is the mean over optimizer
+        steps of its global value (its micro-batch shares summed over micro-batches and ranks; each share carries
+        the factor dp_size of verl's convention, divided out here); any other metric (clip fractions, ratios) is
+        its mean over every generated token of the update. Every rank calls it (one all-reduce)."""
+        keys = sorted(sums)
+        if not keys:
+            return {"grad_norm": sum(grad_norms) / len(grad_norms)} if grad_norms else {}
+        total = all_reduce_sum(torch.stack([sums[k] for k in keys]).to(self.device)).cpu()
+        out = {}
+        for k, (v, w) in zip(keys, total.tolist()):
+            out[k] = v / world / steps if k in _LOSS_TERMS else (v / w if w > 0 else 0.0)
+        if grad_norms:
+            out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return out
+
+    def _rank_mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each metric's mean over ranks (the metrics themselves with one process). Every rank calls it, with the
+        same keys."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        total = all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], device=self.device))
+        return {k: float(v) / world for k, v in zip(keys, total.tolist())}
+
+    def loss_scale_factor(self) -> float:
+        """The constant of ``agg=seq-mean-token-sum-norm`` (Dr.GRPO): ``algorithm.loss_scale_factor``, by default the
+        response budget (``rollout.max_new_tokens``; multi-turn: the episode's token budget) — not the padded width
+        of a micro-batch, which moves with each batch's longest response and with the number of ranks."""
+        if self.cfg.algorithm.loss_scale_factor is not None:
+            return float(self.cfg.algorithm.loss_scale_factor)
+        eng = self.engine
+        if hasattr(eng, "max_turns"):  # the multi-turn engine
+            return float(eng.max_total_tokens or self.cfg.rollout.max_new_tokens * eng.max_turns)
+        return float(self.cfg.rollout.max_new_tokens)
 
     def _micro_loss(self, mb: RolloutBatch, adv: Tensor, mask: Tensor, counts: dict[str, tuple[Tensor, Tensor]],
                     assign: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -329,18 +391,10 @@ class GRPOModule(L.LightningModule):
         and the loss (in-forward credit); then ``adv`` is ignored."""
         alg = self.cfg.algorithm
         dp = self.trainer.world_size if self._trainer is not None else 1
-        pg_counts = dict(
-            global_tokens=counts["pg"][0],
-            global_seqs=counts["pg"][1],
-            loss_scale_factor=alg.loss_scale_factor,
-            dp_size=dp
-        )
-        full_counts = dict(
-            global_tokens=counts["full"][0],
-            global_seqs=counts["full"][1],
-            loss_scale_factor=alg.loss_scale_factor,
-            dp_size=dp
-        )
+        lsf = self.loss_scale_factor()
+        pg_counts = dict(global_tokens=counts["pg"][0], global_seqs=counts["pg"][1], loss_scale_factor=lsf, dp_size=dp)
+        full_counts = dict(global_tokens=counts["full"][0], global_seqs=counts["full"][1], loss_scale_factor=lsf,
+                           dp_size=dp)
         hidden = response_hidden(self.policy, mb.input_ids(), mb.full_attention_mask(), mb.prompt_ids.shape[1],
                                  mb.response_len,
                                  packed=alg.packed)
@@ -385,25 +439,22 @@ class GRPOModule(L.LightningModule):
                 f"(the last good checkpoint is kept)")
 
     # -- metrics --------------------------------------------------------------------------------
-    def _log_iteration(
-        self, rb: RolloutBatch, seq_adv: Tensor, credit_metrics: dict[str, float], upd: dict[str, float]
-    ) -> None:
+    def _log_iteration(self, rb: RolloutBatch, rewards: Tensor, group_ids: Tensor, seq_adv: Tensor,
+                       credit_metrics: dict[str, float], upd: dict[str, float]) -> None:
+        """Log one iteration. rewards, group_ids, seq_adv [B_global]: the global batch's (rank order), so every
+        value logged is the global one whatever the number of ranks."""
         G = self.cfg.rollout.group_size
-        correct = (rb.rewards >= 1.0 - 1e-6).float()
-        self.m_reward.update(rb.rewards)
-        self.m_acc.update(correct)
-        self.m_pass.update(pass_at_k(correct.view(-1, G).sum(-1), G, G))
-        reward, acc, pk = self.m_reward.compute(), self.m_acc.compute(), self.m_pass.compute()
-        for m in (self.m_reward, self.m_acc, self.m_pass):
-            m.reset()
-        self.totals["reward_errors"] += int(rb.meta.get("reward_errors", 0))
+        correct = (rewards >= 1.0 - 1e-6).float()
+        reward, acc = rewards.float().mean(), correct.mean()
+        pk = pass_at_k(correct.view(-1, G).sum(-1), G, G).float().mean()
+        self.totals["reward_errors"] += int(self._global_sum(float(rb.meta.get("reward_errors", 0))))
         gen_tokens = int(self._global_sum(rb.attention_mask.sum().float()))
         self.totals["generated_tokens"] += gen_tokens
         self.log("reward", reward, prog_bar=True, on_step=True, logger=False)
         self.log("acc", acc, prog_bar=True, on_step=True, logger=False)
-        lens = rb.response_mask.sum(-1).float()
-        frac_zero_std = grpo.zero_std_fraction(rb.rewards, rb.group_ids)
-        self._check_signal(rb, frac_zero_std, float(reward), credit_metrics)
+        lens = gather_rows(rb.response_mask.sum(-1).float())
+        frac_zero_std = grpo.zero_std_fraction(rewards, group_ids)
+        self._check_signal(rb, rewards, frac_zero_std, float(reward), credit_metrics)
         out = {
             "train/reward": reward, "train/accuracy": acc, f"train/pass_at_{G}": pk,
             "train/frac_zero_std": frac_zero_std,
@@ -432,9 +483,8 @@ class GRPOModule(L.LightningModule):
             self.trainer.logger.log_metrics(out, step=self.iterations_done - 1)
 
 
-    def _check_signal(
-        self, rb: RolloutBatch, frac_zero_std: float, reward: float, credit_metrics: dict[str, float]
-    ) -> None:
+    def _check_signal(self, rb: RolloutBatch, rewards: Tensor, frac_zero_std: float, reward: float,
+                      credit_metrics: dict[str, float]) -> None:
         """Warn when this iteration had no learning signal: every group (on every rank) scored all its samples the
         same, so every GRPO advantage is 0 and the update is (up to KL / entropy terms) nothing. After
         ``trainer.no_signal_patience`` such iterations in a row, and again after as many more, a louder message
@@ -459,7 +509,7 @@ class GRPOModule(L.LightningModule):
             if reward <= 0.0:
                 why = "no sample earned any reward: check that the answers are extracted and scored as intended " \
                       "(the task's answer format, its reward) and that the problems are within the model's reach"
-            elif float(rb.rewards.min()) >= 1.0:
+            elif float(rewards.min()) >= 1.0:
                 why = "every sample earned full reward: the problems are too easy for this model"
             else:
                 why = "each problem is either always or never solved: use problems of mixed difficulty or a " \
@@ -469,6 +519,17 @@ class GRPOModule(L.LightningModule):
             log.error("NO LEARNING SIGNAL for %d iterations in a row (%d of %d so far): %s — %s "
                       "(trainer.no_signal_patience=%d)", self.no_signal_streak, self.totals["no_signal_iterations"], it,
                       what, why, patience)
+
+
+#: the update's logged terms that are shares of one global loss value (summed, not averaged, over micro-batches)
+_LOSS_TERMS = frozenset({"pg_loss", "kl", "entropy_bonus"})
+
+
+def _grads_finite(model: nn.Module) -> bool:
+    """Whether every local gradient (shard) is finite; the caller all-reduces the verdict."""
+    flags = [torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all()
+             for g in (p.grad for p in model.parameters()) if g is not None]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def micro_batches(idx: Tensor, lengths: Tensor, max_seqs: int, max_tokens: int = 0) -> list[Tensor]:

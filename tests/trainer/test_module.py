@@ -100,7 +100,7 @@ def test_no_signal_streak_counts_resets_and_says_what_to_check(caplog):
         module.iterations_done += 1
         rb = SimpleNamespace(rewards=torch.tensor(rewards), group_ids=groups)
         GRPOModule._check_signal(
-            module, rb, grpo.zero_std_fraction(rb.rewards, groups), sum(rewards) / 4, credit_metrics
+            module, rb, rb.rewards, grpo.zero_std_fraction(rb.rewards, groups), sum(rewards) / 4, credit_metrics
         )
         streaks.append(module.no_signal_streak)
     assert streaks == [1, 2, 0, 1, 2] and module.totals["no_signal_iterations"] == 4
