@@ -62,8 +62,9 @@ reading (b) continues
   cross a change of ``batch.turn_ids``.
 * tanh: the group's scale c is the median (linear interpolation) of e over the onsets GEAR finds in the
   group's A ≠ 0 responses; "batch" pools every onset of the global batch (of all data-parallel ranks);
-  "absolute" uses c = ``d_scale``. A group without onsets, or with c ≤ 1e-12, has s ≡ 0, so w ≡ 1. ``credit/gear_clip_frac`` is the share of segments whose
-  weight factor lies within 1% of ε_w of a bound (|w − 1| ≥ 0.99·ε_w, before normalisation).
+  "absolute" uses c = ``d_scale``. A group without onsets, or with c ≤ 1e-12, has s ≡ 0, so w ≡ 1.
+  ``credit/gear_clip_frac`` is the share of segments whose weight factor lies within 1% of ε_w of a bound
+  (|w − 1| ≥ 0.99·ε_w, before normalisation).
 * exp (the first reconstruction, kept bit-identical): g_t = d_t / mean over the generated tokens of d; if that
   mean is ≤ 1e-12 (e.g. teacher ≡ student, or an unclamped sampled divergence with a non-positive mean) g ≡ 1,
   so w ≡ 1 for that trajectory. No w ≡ 1 rule for responses without onsets, no floor outside segments.

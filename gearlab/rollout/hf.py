@@ -149,7 +149,7 @@ class HFRolloutEngine:
             return 0.0, True
 
     def generate(self, model: nn.Module, problems: Sequence[Problem], *, group_size: int, sampling: SamplingParams,
-                 seed: int, with_teacher: bool | str = False, group_offset: int = 0) -> RolloutBatch:
+                 seed: int | Tensor, with_teacher: bool | str = False, group_offset: int = 0) -> RolloutBatch:
         """Sample ``group_size`` responses per problem and score them. Row i·G+j is sample j of problem i.
 
         with_teacher: False, or the privileged context of the teacher prompt ("answer" / "solution" / True).

@@ -34,7 +34,7 @@ from gearlab.core.batch import RolloutBatch
 from gearlab.envs.base import Environment, StepResult
 from gearlab.parallel.distributed import global_max_int
 from gearlab.rollout.hf import HFRolloutEngine
-from gearlab.rollout.base import SamplingParams, left_pad
+from gearlab.rollout.base import SamplingParams, left_pad, row_seeds
 from gearlab.tasks.base import Problem, Task
 
 __all__ = ["observation_text", "Episode", "MultiTurnRolloutEngine", "END_REASONS", "encode_demo"]
@@ -137,7 +137,7 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
             return None
 
     @torch.no_grad()
-    def rollout(self, model: nn.Module, problems: Sequence[Problem], sampling: SamplingParams, seed: int,
+    def rollout(self, model: nn.Module, problems: Sequence[Problem], sampling: SamplingParams, seed: int | Tensor,
                 privileged: bool | str = False) -> list[Episode]:
         """Run one episode per problem (repeat a problem for a group); returns the finished episodes.
         ``privileged``: the policy itself sees the privileged prompt (to evaluate the teacher's context)."""
@@ -148,6 +148,7 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
             env = self.task.make_env(p)
             obs0 = env.reset()
             episodes.append(Episode(p, env, _prompt_ids(self.tok, self.task, p, privileged), anchors=[obs0], index=i))
+        base_seeds = row_seeds(seed, len(episodes))  # episode i: seed + i, or the i-th of the seeds given
         pool = ThreadPoolExecutor(self.step_workers) if self.step_workers > 1 else None
         try:
             device = next(model.parameters()).device
@@ -165,7 +166,7 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
                 ids, mask = left_pad([e.prompt + e.tokens for e in active], self.tok.pad_token_id)
                 # each episode's own seed per turn (its index in the call: the trainer folds the rank's first
                 # global row into ``seed``), whichever episodes are still active beside it
-                turn_seeds = (seed + 1_000_003 * (turn + 1) + torch.tensor([e.index for e in active])) % (2**63 - 1)
+                turn_seeds = (base_seeds[[e.index for e in active]] + 1_000_003 * (turn + 1)) % (2**63 - 1)
                 resp, rmask, lps = self.sample_with_logprobs(model, ids, mask, replace(sampling,
                                                              max_new_tokens=max(caps)),
                                                              turn_seeds)
@@ -216,7 +217,7 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
         e.anchors.append(info.get("anchor", res.observation))
 
     def generate(self, model: nn.Module, problems: Sequence[Problem], *, group_size: int, sampling: SamplingParams,
-                 seed: int, with_teacher: bool | str = False, group_offset: int = 0,
+                 seed: int | Tensor, with_teacher: bool | str = False, group_offset: int = 0,
                  privileged: bool | str = False) -> RolloutBatch:
         """``group_size`` episodes per problem; row i·G+j is episode j of problem i (as the single-turn engine)."""
         expanded = [p for p in problems for _ in range(group_size)]

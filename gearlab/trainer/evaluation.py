@@ -96,7 +96,9 @@ processes, so
     with gathered_for_generation(model):
         greedy = engine.generate(model, mine, group_size=1, seed=seed,
                                  sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
-        sampled = engine.generate(model, mine, group_size=k, seed=seed + 1 + 7919 * rank,
+        # sample j of global problem q draws with seed + 1 + q·k + j: the same samples on any number of ranks
+        rows = [(rank + i * world) * k + j for i in range(per) for j in range(k)]
+        sampled = engine.generate(model, mine, group_size=k, seed=(seed + 1 + torch.tensor(rows)) % (2**63 - 1),
                                   sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                                           temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
                                                           top_k=cfg.rollout.top_k))

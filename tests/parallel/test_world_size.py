@@ -4,9 +4,9 @@ warm start ends with the same weights up to float rounding, and logs the same va
 Measured after 2 iterations: ‖w(2) − w(1)‖ / ‖w(1) − w(start)‖ over all weights (about 5e-6 here; before the global
 batch, the per-row seeds and the global statistics, two different runs: 0.2 in norm, 2.0 in max). The max-element
 ratio is bounded more loosely (1e-2; measured 3e-4 to 2.5e-3): Adam divides each gradient by its own magnitude, so the
-few elements whose gradient is near 0 (2 or 3 in a million here) turn float rounding into visible steps. Each setting combines options
-whose world-size dependence was found in review: the mini-batch partition, std_scope=batch, the Dr.GRPO normaliser,
-ppo_epochs > 1 and assigners with a teacher pass (gear, rlsd).
+few elements whose gradient is near 0 (2 or 3 in a million here) turn float rounding into visible steps. Each setting
+combines options whose world-size dependence was found in review: the mini-batch partition, std_scope=batch, the
+Dr.GRPO normaliser, ppo_epochs > 1 and assigners with a teacher pass (gear, rlsd).
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def test_two_processes_give_the_run_of_one(tmp_path, name):
     gap = torch.cat([(w2[k] - w1[k]).flatten() for k in w1])
     assert float(upd.abs().max()) > 1e-4, f"{name}: the run barely trained; the comparison would be empty"
     ratio, max_ratio = float(gap.norm() / upd.norm()), float(gap.abs().max() / upd.abs().max())
-    assert ratio <= 1e-4 and max_ratio <= 1e-2, f"{name}: 2 processes end {ratio:.3g} (norm) / {max_ratio:.3g} (max) × " \
-                                                 "the update away from 1 process"
+    assert ratio <= 1e-4 and max_ratio <= 1e-2, (
+        f"{name}: 2 processes end {ratio:.3g} (norm) / {max_ratio:.3g} (max) × the update away from 1 process")
     l1, l2 = _logged(one), _logged(two)
     assert l1.keys() == l2.keys() and {"train/reward", "update/pg_loss", "credit/adv_abs_mean"} <= l1.keys()
     for k in l1:
