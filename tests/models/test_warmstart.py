@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # sha256 of the shipped warm start's weights (gearlab.models.checkpoints.weights_digest)
 START_SHA256 = "1f7850bddd862b18d270a8951855a79b62c56fdffd6eb914d0c4fadc366bf373"
 # the final weights after 2 GEAR iterations from it (RL_COMMAND below), and two of its logged values
-RL_SHA256 = "96a9434652f615b965efb2f6d9091baa2bdae985e1fa1f3c8f5d742a30e2faf8"
+RL_SHA256 = "30a4ea1b5d9c28d0dd85b12d6f0bebc9ba00feefd72cf0994d286baad1de68b0"
 RL_OVERRIDES = ["assigner=gear", "trainer.max_steps=2", "trainer.threads=1", "trainer.accelerator=cpu",
                 "rollout.prompts_per_step=8", "rollout.group_size=4", "eval.num_problems=16",
                 "trainer.progress_bar=false", "trainer.run_name=pinned"]
