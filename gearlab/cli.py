@@ -278,10 +278,20 @@ def _leave_process_group() -> None:
     """Tear down a multi-process run's process group before the interpreter exits: left to interpreter shutdown,
     a rank of a two-node torchrun launch was seen to abort (SIGABRT, "terminate called without an active exception")
     after its run had finished."""
+    import datetime
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:  # every rank at the exit before any tears down (one that raised never gets here: bounded wait on gloo)
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        else:
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer already gone: tear down anyway
+        pass
+    dist.destroy_process_group()
 
 
 def _train(cfg) -> int:
