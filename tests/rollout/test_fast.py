@@ -104,6 +104,23 @@ def test_a_rows_samples_depend_on_its_seed_alone(setup, tokenizer):
     assert not torch.equal(other, full)
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_hf_generate_samples_the_fast_decoders_tokens(setup, tokenizer, temperature, top_p):
+    """HF ``generate`` draws with the same per-row seeded sampler (a logits processor): the same sampled tokens as the
+    fast decoder, and a row's tokens do not depend on its batch (the basis of N ranks = 1 rank)."""
+    model, eng, ids, mask = setup
+    sp = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p)
+    hf, hf_mask = eng.sample(model, ids, mask, sp, seed=100)
+    fast, fast_mask, _ = FastDecoder(tokenizer, batch_size=8).sample(model, ids, mask, sp, seed=100)
+    n = hf_mask.shape[1]
+    assert torch.equal(hf_mask, fast_mask[:, :n]) and torch.equal(hf, fast[:, :n])
+    part, part_mask = eng.sample(model, ids[3:5], mask[3:5], sp, seed=103)  # rows 3-4 alone, seeds 103-104
+    m = part_mask.shape[1]
+    assert torch.equal(part, hf[3:5, :m]) and not part_mask[:, m:].any() and not hf_mask[3:5, m:].any()
+    per_row = eng.sample(model, ids, mask, sp, seed=torch.arange(100, 107))[0]  # explicit per-row seeds
+    assert torch.equal(per_row, hf)
+
+
 def test_top_k_one_is_greedy(setup, tokenizer):
     model, _, ids, mask = setup
     fast = FastDecoder(tokenizer, batch_size=8)
