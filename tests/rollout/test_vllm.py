@@ -414,6 +414,7 @@ def test_tensor_parallel_ranks_submit_identical_requests_and_keep_their_rows(tmp
     r0, r1 = (torch.load(tmp_path / f"tp{r}.pt") for r in (0, 1))
     assert r0["seen"] == r1["seen"]  # the same prompts AND seeds on both ranks of the TP group
     (prompts, seeds), = r0["seen"]
-    assert prompts == [[3], [4], [13], [14], [15]] and seeds == [1000 + i for i in range(5)]  # rank 0's seed
+    # each row keeps its own rank's per-row seed (the trainer's are global row indices, so the pool is world-size free)
+    assert prompts == [[3], [4], [13], [14], [15]] and seeds == [1000, 1001, 2000, 2001, 2002]
     assert r0["resp"][:, 0].tolist() == [103, 104] and r1["resp"][:, 0].tolist() == [113, 114, 115]
     assert r0["kw"]["distributed_executor_backend"] == "external_launcher" and r0["kw"]["tensor_parallel_size"] == 2
