@@ -99,16 +99,14 @@ class HFRolloutEngine:
                 )).to(device)
                 mask = (prompt_mask[s : s + self.batch_size] if not idle else torch.ones_like(ids)).to(device)
                 kw: dict = {}
-                if not sampling.greedy:
-                    rows = seeds[s : s + self.batch_size] if not idle else seeds.new_zeros(1)
-                    kw["logits_processor"] = [_RowSampler(rows.to(device), ids.shape[1], sampling)]
                 if self.synced_gpus:
                     kw["synced_gpus"] = True
                 if self.static_cache and not self.synced_gpus:  # (sharded policies decode eagerly)
                     ids, mask = pad_left_to(ids, mask, STATIC_PAD, self.tok.pad_token_id)
                     kw["cache_implementation"] = "static"
-                    if "logits_processor" in kw:
-                        kw["logits_processor"][0].width = ids.shape[1]
+                if not sampling.greedy:  # (after the padding: the decode step counts from the padded width)
+                    rows = seeds[s : s + self.batch_size] if not idle else seeds.new_zeros(1)
+                    kw["logits_processor"] = [_RowSampler(rows.to(device), ids.shape[1], sampling)]
                 # greedy selection after the row sampler's one-hot logits = the sampled token; the model's own
                 # generation config (temperature, top-k/p of a pretrained checkpoint) must not act a second time
                 gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,

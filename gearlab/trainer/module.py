@@ -177,9 +177,9 @@ class GRPOModule(L.LightningModule):
         # from the rewards of the GLOBAL batch (every rank computes all of them and keeps its own rows): a group's
         # statistics, std_scope=batch's std and every logged reward statistic are those of all B rows
         all_rewards, all_groups = gather_rows(rb.rewards), gather_rows(rb.group_ids)
-        seq_adv = grpo.group_advantages(all_rewards, all_groups, scale_by_std=alg.scale_by_std, eps=alg.adv_eps,
-                                        leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
-        seq_adv = seq_adv[first_row : first_row + rb.batch_size]
+        all_seq_adv = grpo.group_advantages(all_rewards, all_groups, scale_by_std=alg.scale_by_std,
+                                            eps=alg.adv_eps, leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
+        seq_adv = all_seq_adv[first_row : first_row + rb.batch_size]
 
         t1 = time.perf_counter()
         on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
@@ -210,7 +210,7 @@ class GRPOModule(L.LightningModule):
         # the method's own diagnostics (their mean over ranks), then the same statistics for every method over the
         # global batch (the core's, not the assigner's)
         credit.metrics = {**self._rank_mean(credit.metrics),
-                          **credit_diagnostics(gather_rows(adv), gather_rows(seq_adv),
+                          **credit_diagnostics(gather_rows(adv), all_seq_adv,
                                                gather_rows(rb.response_mask.float()) > 0,
                                                gather_rows(loss_mask.float()) > 0)}
         if self.generator is not None:
@@ -235,7 +235,7 @@ class GRPOModule(L.LightningModule):
         self.assigner.on_step_end(self.iterations_done)
         self.teacher.after_iteration(self.iterations_done)
         upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
-        self._log_iteration(rb, all_rewards, all_groups, gather_rows(seq_adv), credit.metrics, upd)
+        self._log_iteration(rb, all_rewards, all_groups, all_seq_adv, credit.metrics, upd)
 
     def _entropy_in_forward(self, on_policy: bool) -> bool:
         """Whether this iteration's credit takes the policy's entropy from the update's forward (one pass fewer):
