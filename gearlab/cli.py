@@ -274,31 +274,13 @@ def compare_summary(cfg) -> str:
     ])
 
 
-def _leave_process_group() -> None:
-    """Tear down a multi-process run's process group before the interpreter exits: left to interpreter shutdown,
-    a rank of a two-node torchrun launch was seen to abort (SIGABRT, "terminate called without an active exception")
-    after its run had finished."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:  # every rank at the exit before any tears down (one that raised never gets here: bounded wait on gloo)
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
-        else:
-            dist.barrier()
-    except Exception:  # noqa: BLE001 - a peer already gone: tear down anyway
-        pass
-    dist.destroy_process_group()
-
-
 def _train(cfg) -> int:
     from gearlab.trainer.train import train
 
+    from gearlab.parallel.distributed import leave_process_group
+
     res = train(cfg)
-    _leave_process_group()
+    leave_process_group()
     if res.already_finished:  # nothing done, nothing changed
         from gearlab.trainer.resume import finished_message
         from gearlab.trainer.train import _is_launch_rank_zero

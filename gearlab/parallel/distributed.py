@@ -57,11 +57,49 @@ def check(cfg: Config) -> None:
                           f"{world_size(cfg)} processes (trainer.devices × trainer.num_nodes)")
 
 
+def leave_process_group(timeout_s: float = 60.0) -> None:
+    """Tear down the default process group, if any, while the interpreter is still whole.
+
+    Left to interpreter shutdown, gloo's worker threads may still own tensors whose release needs the GIL, and
+    the process aborts (SIGABRT, "terminate called without an active exception"; pytorch issue 190489) after
+    its work is done. Every rank first meets the others (bounded on gloo: a rank that raised never arrives), so
+    none tears down under a peer still in a collective. Idempotent."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer already gone: tear down anyway
+        pass
+    dist.destroy_process_group()
+
+
+_EXIT_TEARDOWN = False
+
+
+def _teardown_at_exit() -> None:
+    """Run :func:`leave_process_group` from ``atexit`` (before interpreter finalisation), once per process."""
+    global _EXIT_TEARDOWN
+    if not _EXIT_TEARDOWN:
+        import atexit
+
+        atexit.register(leave_process_group)
+        _EXIT_TEARDOWN = True
+
+
 def make_strategy(cfg: Config) -> Any:
-    """The Lightning strategy object (or the string "auto" for one device)."""
+    """The Lightning strategy object (or the string "auto" for one device). A multi-process strategy also
+    registers the process group's teardown at interpreter exit (:func:`leave_process_group`)."""
     s = strategy_name(cfg)
     if s == "single":
         return "auto"
+    _teardown_at_exit()
     if s == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 

@@ -56,3 +56,22 @@ def test_compiled_two_processes_match_eager_one(tmp_path):
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     for k, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-7, msg=k)
+
+
+_EXIT_PROBE = """
+import atexit, sys, torch.distributed as dist
+from gearlab.config import load_config
+from gearlab.parallel.distributed import make_strategy
+atexit.register(lambda: open(sys.argv[1], "w").write(str(dist.is_initialized())))  # runs last (atexit is LIFO)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
+make_strategy(load_config(["trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu"]))
+"""
+
+
+def test_a_multi_process_strategy_tears_the_process_group_down_before_interpreter_exit(tmp_path):
+    """Gloo left to interpreter finalisation can abort a finished rank (SIGABRT); the strategy's exit hook destroys
+    the group while the interpreter is whole."""
+    probe = tmp_path / "alive"
+    r = subprocess.run([sys.executable, "-c", _EXIT_PROBE, str(probe)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert probe.read_text() == "False"
