@@ -71,11 +71,15 @@ class FastDecodeConfig:
     # torch.compile each layer's pieces around attention before capturing the step (fused kernels: 4.1 vs 6.8 ms a
     # step on an H100 at the 0.6B shape, ~2 s more in the first rollout); null = auto: on with CUDA
     compile: Optional[bool] = None
+    # a sharded (FSDP) policy: gather = gather its weights at each call, capture its graphs anew, free both before the
+    # update | replica = decode a persistent unsharded copy refreshed after each optimizer step: graphs survive, but
+    # the copy (2 bytes/param in bf16) and the KV caches stay resident during the update
+    sharded_weights: str = "gather"
 
 
 @dataclass
 class RolloutConfig:
-    # auto: fast on one CUDA device per process, unsharded, for the layouts gearlab's decoder runs (Qwen3/Qwen2/
+    # auto: fast on CUDA (one GPU, DDP, FSDP1 or FSDP2) for the layouts gearlab's decoder runs (Qwen3/Qwen2/
     # Llama/Mistral), else hf; the run's config.yaml and MLflow params record the engine it resolved to |
     # hf (transformers generate) | fast (gearlab's static-cache decoder) | vllm
     engine: str = "auto"
@@ -459,6 +463,7 @@ _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "rollout.engine": ("auto", "hf", "fast", "vllm"),
     "rollout.fast.cuda_graphs": ("auto", "on", "off"),
+    "rollout.fast.sharded_weights": ("gather", "replica"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
     "rollout.vllm.sleep": ("auto", "on", "off"),
     "rollout.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),

@@ -18,6 +18,17 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slurm`` start a Slurm cluster on this host (installing slurm-wlm and munge with apt where
+    missing): they run only when asked for by marker, ``pytest -m slurm`` (the CI's slurm lane), never in ``pytest``."""
+    if "slurm" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="starts a Slurm cluster: run with `pytest -m slurm` (the CI's slurm lane)")
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from gearlab.models.tiny import build_tokenizer

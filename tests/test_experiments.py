@@ -33,3 +33,39 @@ def test_qwen3_recipes_shard_over_their_nodes():
         cfg = load_config([f"experiment={name}"])
         assert distributed.strategy_name(cfg) == "fsdp2" and cfg.trainer.num_nodes == nodes and cfg.trainer.devices == 8
         assert cfg.model.dtype == "float32" and cfg.trainer.precision == "bf16-mixed"  # fp32 master, bf16 compute
+
+
+def test_the_benchmarks_timing_hook_reads_what_the_trainer_logs(tmp_path):
+    """experiments/bench times iterations by overriding GRPOModule._log_iteration: it must take the trainer's
+    arguments and find the update's metrics, last (a changed signature silently broke every GPU benchmark once)."""
+    import inspect
+    import json
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from gearlab.trainer.module import GRPOModule
+
+    bench = Path(__file__).resolve().parents[1] / "experiments" / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        from engines_table import table
+        from trl_vs_gearlab import timed_module
+    finally:
+        sys.path.remove(str(bench))
+    assert list(inspect.signature(GRPOModule._log_iteration).parameters)[-1] == "upd"
+    times: list[dict] = []
+    hook = timed_module(GRPOModule, times)._log_iteration
+    n_args = len(inspect.signature(GRPOModule._log_iteration).parameters) - 2  # without self and rb
+    upd = {"time_rollout_s": 1.5, "time_signals_credit_s": 0.5, "time_update_s": 2.0, "fast/steps": 7}
+    rb = SimpleNamespace(response_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    hook(None, rb, *[None] * (n_args - 1), upd)
+    assert times[0]["time_update_s"] == 2.0 and times[0]["fast/steps"] == 7.0 and times[0]["response_len"] == 2.5
+    (tmp_path / "4b_d2_fast.json").write_text(json.dumps(
+        {"shape": "qwen3-4b", "devices": 2, "engine": "fast", "sharded_weights": "gather", "s_per_iter": 6.5,
+         "rollout_s": 2.0, "signals_credit_s": 1.5, "update_s": 3.0, "peak_mem_gib_rank0": 41.0,
+         "engine_stats": {"fast/ms_per_step": 7.25}, "device": "NVIDIA H200"}))
+    row = "| 4b_d2_fast | qwen3-4b | 2 | fast (gather) | 6.50 | 2.00 | 1.50 | 3.00 | 7.25 | – | – | – | 41.0 |"
+    assert row in table([tmp_path]).splitlines() and "Card: NVIDIA H200." in table([tmp_path])

@@ -1,8 +1,9 @@
-"""Full GRPO iterations with the GEAR assigner under FSDP2 on N GPUs: rollout (HF ``generate``), signals
+"""Full GRPO iterations with the GEAR assigner under FSDP2 on N GPUs: rollout (``--engine``: auto = what
+``gearlab train`` picks, i.e. the fast decoder on GPUs; hf; fast; vllm), signals
 (the live teacher forward = the sharded policy on the answer-conditioned context, the full-vocabulary
 KL), credit, update — the real ``GRPOModule`` path that ``gearlab train`` runs.
 
-    python experiments/bench/gear_iteration.py --shape qwen3-4b --devices 4 --out r.json
+    python experiments/bench/gear_iteration.py --shape qwen3-4b --devices 4 --engine auto --out r.json
 
 Random-weight Qwen3 shapes (vocab 151,936: the end token is almost never sampled, so every completion
 is ``--new`` tokens long), fp32 master weights with bf16 compute (the recipes' setting), 16 prompts × G=8
@@ -36,6 +37,10 @@ def main() -> None:
     ap.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "fsdp1", "ddp"])
     ap.add_argument("--new", type=int, default=256, help="new tokens per completion")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"])
+    ap.add_argument("--sharded-weights", default="gather", choices=["gather", "replica"],
+                    help="fast decoder on a sharded policy: rollout.fast.sharded_weights")
+    ap.add_argument("--tp", type=int, default=1, help="vllm: rollout.vllm.tensor_parallel_size")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -52,7 +57,9 @@ def main() -> None:
     cfg = load_config([f"trainer.devices={a.devices}", f"trainer.strategy={a.strategy}",
                        f"trainer.accelerator={'gpu' if gpu else 'cpu'}",
                        f"trainer.precision={'bf16-mixed' if gpu else '32-true'}", "model.dtype=float32",
-                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", "rollout.engine=hf",
+                       f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}", f"rollout.engine={a.engine}",
+                       f"rollout.fast.sharded_weights={a.sharded_weights}",
+                       f"rollout.vllm.tensor_parallel_size={a.tp}",
                        f"rollout.max_new_tokens={a.new}",
                        "rollout.batch_size=128", "algorithm.micro_batch_size=8",
                        "trainer.activation_checkpointing=true",
@@ -67,6 +74,9 @@ def main() -> None:
         model = Qwen3ForCausalLM(mcfg)
     task = bench_task()
     times: list[dict] = []
+    from gearlab.rollout.factory import resolve_engine
+
+    cfg.rollout.engine = resolve_engine(cfg, model)  # as gearlab train does: the JSON names the engine that ran
 
     module = timed_module(GRPOModule, times)(
         cfg, model, tok, task, build(cfg.assigner.name, dict(cfg.assigner.options))
@@ -82,7 +92,9 @@ def main() -> None:
         later = times[1:] or times
         med = lambda k: round(statistics.median([t[k] for t in later]), 2)  # noqa: E731
         tokens = PROMPTS * G * (64 + a.new)
+        engine_keys = sorted({k for t in later for k in t if k.startswith(("fast/", "vllm/", "engine_"))})
         res = {"shape": a.shape, "assigner": a.assigner, "strategy": a.strategy, "devices": a.devices,
+               "engine": cfg.rollout.engine, "sharded_weights": a.sharded_weights, "vllm_tp": a.tp,
                "sequences": PROMPTS * G,
                "new_tokens": a.new, "s_per_iter_all": [round(t, 2) for t in tot],
                "s_per_iter": round(statistics.median(tot[1:] or tot), 2), "rollout_s": med("time_rollout_s"),
@@ -90,6 +102,7 @@ def main() -> None:
                "tokens_per_s": round(tokens / statistics.median(tot[1:] or tot)),
                "response_len_mean": round(statistics.mean(t["response_len"] for t in times), 1),
                "peak_mem_gib_rank0": round(max(t["peak_gib"] for t in times), 2),
+               "engine_stats": {k: round(statistics.median([t[k] for t in later if k in t]), 4) for k in engine_keys},
                "device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__}
         print(json.dumps(res))
         if a.out:

@@ -93,7 +93,8 @@ def timed_module(base: type, times: list[dict]) -> type:
     memory into ``times`` instead of logging."""
 
     class Timed(base):
-        def _log_iteration(self, rb, seq_adv, credit_metrics, upd):
+        def _log_iteration(self, rb, *rest):
+            upd = rest[-1]  # (the update's metrics come last)
             t = {k: upd[k] for k in ("time_rollout_s", "time_signals_credit_s", "time_update_s")}
             t["response_len"] = float(rb.response_mask.sum(-1).float().mean())
             t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")

@@ -9,7 +9,9 @@ the SFT takes minutes, so ``embedded:tiny-arith`` with that recipe is copied, no
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -45,5 +47,9 @@ def copy_shipped(dest: str | Path) -> dict[str, Any]:
     dest.mkdir(parents=True, exist_ok=True)
     for f in SHIPPED_DIR.iterdir():
         if f.is_file() and f.name != RECIPE_FILE:
-            shutil.copy2(f, dest / f.name)
+            # each file whole or not at all: the ranks of a multi-process launch copy at the same time, and one may
+            # read a file while another rewrites it (a copy under a unique name, then an atomic rename)
+            tmp = dest / f".{f.name}.{uuid.uuid4().hex}.tmp"
+            shutil.copy2(f, tmp)
+            os.replace(tmp, dest / f.name)
     return json.loads((dest / "warmstart.json").read_text())

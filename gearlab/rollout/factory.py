@@ -32,17 +32,15 @@ def make_engine(tokenizer, task: Task, *, batch_size: int = 64, reward_errors: s
 
 
 def resolve_engine(cfg: Any, model: nn.Module | None) -> str:
-    """``rollout.engine`` made concrete. ``auto`` is ``fast`` when the policy decodes on CUDA, one unsharded copy
-    per process (a sharded FSDP policy is gathered anew for each rollout, so its graphs would be captured again
-    each time), and gearlab's decoder runs ``model``'s layout (``decoder.supports``); otherwise ``hf``. The other
-    values are returned as they are."""
+    """``rollout.engine`` made concrete. ``auto`` is ``fast`` when the policy decodes on CUDA (one device, DDP,
+    FSDP1 or FSDP2: a sharded policy is gathered for each rollout, ``rollout.fast.sharded_weights``) and gearlab's
+    decoder runs ``model``'s layout (``decoder.supports``); otherwise ``hf``. The other values are returned as
+    they are."""
     if cfg.rollout.engine != "auto":
         return cfg.rollout.engine
-    from gearlab.parallel.distributed import strategy_name
-
     acc = cfg.trainer.accelerator
     cuda = acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
-    ok = cuda and model is not None and strategy_name(cfg) in ("single", "ddp") and supports(model) is None
+    ok = cuda and model is not None and supports(model) is None
     return "fast" if ok else "hf"
 
 
@@ -59,7 +57,7 @@ def engine_from_config(
     if training and engine == "vllm":
         generator = VLLMGenerator.from_config(tokenizer, cfg)
     elif engine == "fast":
-        generator = FastDecoder.from_config(tokenizer, cfg)
+        generator = FastDecoder.from_config(tokenizer, cfg, training=training)
     return make_engine(tokenizer, task, batch_size=r.batch_size, reward_errors=cfg.trainer.reward_errors,
                        max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, generator=generator,
                        static_cache=training and r.static_cache)

@@ -14,8 +14,12 @@ second batch size comes), fusing the elementwise kernels a small model's step is
 
 On CUDA, one graph per (batch, prompt length, bucket, sampling settings) is captured on first use and replayed
 after; graphs keep pointers to the weights, which optimizer steps update in place, so they stay valid across
-iterations. A sharded (FSDP) policy is gathered once per call; its gathered tensors are new each time, so its
-graphs are captured again each call (``fast/graphs_captured`` counts captures).
+iterations. A sharded (FSDP) policy is decoded in one of two ways (``rollout.fast.sharded_weights``):
+``gather`` gathers it once per call into FSDP's own buffers, which are new each time, so its graphs are captured
+again each call, and ``release`` frees the caches and graphs before the update (``fast/graphs_captured`` counts
+captures, ``fast/capture_s`` times them); ``replica`` decodes a persistent unsharded copy
+(``gearlab.parallel.replica``) refreshed in place at the first call after each optimizer step, so graphs and
+caches survive, at the cost of the copy and the caches staying resident during the update.
 
 Returns what the other engines return: response ids [N, T] right-padded (T = the longest response), the mask of
 generated tokens (a response ends at and includes its first stop token) and the engine's log-probs of the
@@ -34,7 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gearlab.parallel.distributed import unsharded
+from gearlab.parallel.distributed import is_sharded, unsharded
+from gearlab.parallel.replica import DecodeReplica
 from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, row_seeds, stop_token_ids
 from gearlab.rollout.decoder import Decoder, KVCache
 from gearlab.rollout.sampler import sample_rows
@@ -63,7 +68,7 @@ class FastDecoder:
     """gearlab's ``TokenGenerator`` on the policy's own weights (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, *, batch_size: int = 64, cuda_graphs: str = "auto", bucket: int = 64,
-                 check_every: int = 8, compile: bool | None = None) -> None:
+                 check_every: int = 8, compile: bool | None = None, sharded_weights: str = "gather") -> None:
         self.tok = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer)
@@ -77,12 +82,21 @@ class FastDecoder:
         self._pool = None
         self._stats: dict[str, float] = {}
         self._captured = 0
+        self._capture_s = 0.0
+        self.sharded_weights = sharded_weights  # gather | replica: how a sharded policy is decoded (module docstring)
+        self._replica: DecodeReplica | None = None
+        self._stale = True  # the replica must be refreshed before the next call
+        self._refresh_s = 0.0
+        self._gathered = False  # the last call decoded FSDP's gathered buffers: its graphs cannot be replayed
 
     @classmethod
-    def from_config(cls, tokenizer: Any, cfg: Any) -> "FastDecoder":
+    def from_config(cls, tokenizer: Any, cfg: Any, *, training: bool = False) -> "FastDecoder":
+        """From ``rollout.fast``; ``sharded_weights=replica`` only for a training run's engine (evaluation and the
+        commands gather: a second resident copy would only cost memory)."""
         f = cfg.rollout.fast
         return cls(tokenizer, batch_size=cfg.rollout.batch_size, cuda_graphs=f.cuda_graphs, bucket=f.bucket,
-                   check_every=f.check_every, compile=f.compile)
+                   check_every=f.check_every, compile=f.compile,
+                   sharded_weights=f.sharded_weights if training else "gather")
 
     # -- the TokenGenerator protocol ------------------------------------------------------------
     @torch.no_grad()
@@ -94,10 +108,14 @@ class FastDecoder:
         model.eval()
         t0 = time.perf_counter()
         steps = 0
+        captured, capture_s = self._captured, self._capture_s
         outs: list[tuple[Tensor, Tensor]] = []
+        sharded = is_sharded(model)
+        target = self._refreshed(model) if sharded and self.sharded_weights == "replica" else model
+        self._gathered = sharded and target is model
         try:
-            with unsharded(model):
-                dec = self._decoder_for(model)
+            with unsharded(target):
+                dec = self._decoder_for(target)
                 dev = dec.head.weight.device
                 ids, mask = prompt_ids, prompt_mask
                 if self._fixed_shapes(model):  # a few prompt widths recur: captured graphs are reused
@@ -116,7 +134,11 @@ class FastDecoder:
         elapsed = time.perf_counter() - t0
         self._stats = {"fast/decode_s": elapsed, "fast/steps": float(steps),
                        "fast/ms_per_step": 1000 * elapsed / max(1, steps),
-                       "fast/graphs_captured": float(self._captured)}
+                       "fast/graphs_captured": float(self._captured - captured),
+                       "fast/capture_s": self._capture_s - capture_s}
+        if self._replica is not None:
+            self._stats.update({"fast/replica_refresh_s": self._refresh_s,
+                                "fast/replica_gib": self._replica.nbytes() / 2**30})
         if not outs:
             return torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool), torch.zeros((0, 1))
         resp, lps = torch.cat([t for t, _ in outs]), torch.cat([lp for _, lp in outs])  # [N, max_new_tokens] each
@@ -126,10 +148,26 @@ class FastDecoder:
         return resp[:, :T].masked_fill(~rmask, self.pad_id), rmask, lps[:, :T].masked_fill(~rmask, 0.0)
 
     def release(self) -> None:
-        """Nothing to free by default: the cache and graphs are reused by the next rollout of the same shape."""
+        """After the rollout: free the caches and graphs if they were built over a gathered sharded policy (the
+        next call captures anew anyway; the update gets the memory). Otherwise keep them for the next rollout."""
+        if self._gathered:
+            self.free()
 
     def mark_stale(self) -> None:
-        """Nothing to sync: the decoder reads the policy's own tensors, updated in place by the optimizer."""
+        """The policy's weights changed. An unsharded policy is read in place (nothing to do); a replica is
+        refreshed at the next call."""
+        self._stale = True
+
+    def _refreshed(self, model: nn.Module) -> nn.Module:
+        """The replica of a sharded ``model``, refreshed if an optimizer step came since (a collective)."""
+        if self._replica is None:
+            self._replica = DecodeReplica()
+        if self._stale or self._replica.module is None:
+            t0 = time.perf_counter()
+            self._replica.refresh(model)
+            self._refresh_s = time.perf_counter() - t0
+            self._stale = False
+        return self._replica.module
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -263,6 +301,7 @@ class FastDecoder:
         n_buckets = -(-max(1, run.T - 1) // self.bucket)
         if all(key + (j,) in run.graphs for j in range(n_buckets)):
             return
+        t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         for j in range(n_buckets):
@@ -280,3 +319,5 @@ class FastDecoder:
                 self._step(dec, run, length, sp)
             run.graphs[key + (j,)] = graph
             self._captured += 1
+        torch.cuda.synchronize()
+        self._capture_s += time.perf_counter() - t0

@@ -1,5 +1,5 @@
-"""N processes give the run of one process: `gearlab train` on 1 and on 2 CPU processes (FSDP2, gloo) from the shipped
-warm start ends with the same weights up to float rounding, and logs the same values.
+"""N processes give the run of one process: `gearlab train` on 1 and on 2 (and 3) CPU processes (FSDP2, gloo) from the
+shipped warm start ends with the same weights up to float rounding, and logs the same values.
 
 Measured after 2 iterations: ‖w(2) − w(1)‖ / ‖w(1) − w(start)‖ over all weights (about 5e-6 here; before the global
 batch, the per-row seeds and the global statistics, two different runs: 0.2 in norm, 2.0 in max). The max-element
@@ -32,8 +32,9 @@ LOGGED = ("train/reward", "train/accuracy", "train/frac_zero_std", "train/respon
           "update/pg_loss", "update/clipfrac", "credit/adv_abs_mean", "credit/abs_up_frac")
 
 
-def _train(out, devices: int, extra: list[str]) -> None:
-    args = ["trainer.accelerator=cpu", f"trainer.devices={devices}", "trainer.threads=1", "rollout.prompts_per_step=8",
+def _train(out, devices: int, extra: list[str], prompts: int = 8) -> None:
+    args = ["trainer.accelerator=cpu", f"trainer.devices={devices}", "trainer.threads=1",
+            f"rollout.prompts_per_step={prompts}",
             "rollout.group_size=4", "trainer.max_steps=2", "eval.num_problems=0", "trainer.progress_bar=false",
             "optim.lr=1e-3", f"trainer.output_dir={out}", "trainer.run_name=ws", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -58,17 +59,28 @@ def _logged(out) -> dict[str, list[float]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_two_processes_give_the_run_of_one(tmp_path, name):
-    one, two = tmp_path / "one", tmp_path / "two"
-    _train(one, 1, SETTINGS[name])
-    _train(two, 2, SETTINGS[name])
+    _compare(tmp_path, name, 2)
+
+
+@pytest.mark.slow
+def test_three_processes_give_the_run_of_one(tmp_path):
+    """An odd split: 6 prompts × 4 = 24 rows, 8 per rank, 2 mini-batches of 12 (4 rows of each rank)."""
+    _compare(tmp_path, "sum-norm/batch-std/2-minibatches", 3, prompts=6)
+
+
+def _compare(tmp_path, name: str, n: int, prompts: int = 8) -> None:
+    one, two = tmp_path / "one", tmp_path / "n"
+    _train(one, 1, SETTINGS[name], prompts)
+    _train(two, n, SETTINGS[name], prompts)
     start = _weights(one / "embedded" / "tiny-arith")
     w1, w2 = _weights(one / "ws" / "final"), _weights(two / "ws" / "final")
     upd = torch.cat([(w1[k] - start[k]).flatten() for k in w1])
     gap = torch.cat([(w2[k] - w1[k]).flatten() for k in w1])
     assert float(upd.abs().max()) > 1e-4, f"{name}: the run barely trained; the comparison would be empty"
     ratio, max_ratio = float(gap.norm() / upd.norm()), float(gap.abs().max() / upd.abs().max())
+    print(f"{name}, {n} processes: gap / update = {ratio:.2e} (norm), {max_ratio:.2e} (max)")
     assert ratio <= 1e-4 and max_ratio <= 1e-2, (
-        f"{name}: 2 processes end {ratio:.3g} (norm) / {max_ratio:.3g} (max) × the update away from 1 process")
+        f"{name}: {n} processes end {ratio:.3g} (norm) / {max_ratio:.3g} (max) × the update away from 1 process")
     l1, l2 = _logged(one), _logged(two)
     assert l1.keys() == l2.keys() and {"train/reward", "update/pg_loss", "credit/adv_abs_mean"} <= l1.keys()
     for k in l1:

@@ -1,5 +1,5 @@
-"""rollout.engine=auto: the fast decoder where it is proven and fast (one unsharded CUDA policy of a layout it runs),
-HF generate everywhere else; a training run records the engine it resolved to."""
+"""rollout.engine=auto: the fast decoder on CUDA for a layout it runs (one GPU, DDP, FSDP1, FSDP2), HF generate
+everywhere else; a training run records the engine it resolved to."""
 from __future__ import annotations
 
 import pytest
@@ -17,12 +17,14 @@ from gearlab.tasks.registry import get_task
     ([], False, True, "hf"),  # no GPU: HF generate, as before the fast path existed
     (["trainer.accelerator=cpu"], True, True, "hf"),
     ([], True, False, "hf"),  # a layout the decoder does not run
-    (["trainer.devices=2", "trainer.strategy=fsdp2"], True, True, "hf"),  # sharded: gathered anew each rollout
+    (["trainer.devices=2", "trainer.strategy=fsdp2"], True, True, "fast"),  # sharded: gathered for each rollout
+    (["trainer.devices=2", "trainer.strategy=fsdp1"], True, True, "fast"),
+    (["trainer.devices=2", "trainer.strategy=fsdp2"], True, False, "hf"),
     (["trainer.devices=2", "trainer.strategy=ddp"], True, True, "fast"),
     (["rollout.engine=hf"], True, True, "hf"),  # an explicit choice stays
     (["rollout.engine=fast"], False, True, "fast"),
 ])
-def test_auto_picks_the_fast_decoder_only_for_one_unsharded_cuda_policy_it_runs(
+def test_auto_picks_the_fast_decoder_for_a_cuda_policy_it_runs(
         monkeypatch, tiny_model_factory, overrides, cuda, supported, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     cfg = load_config(overrides)

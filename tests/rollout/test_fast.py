@@ -173,26 +173,35 @@ def test_config_keys():
             load_config(bad)
 
 
-def test_fsdp2_two_processes_decode_the_gathered_weights(tmp_path, tiny_model_dir):
-    """`gearlab train rollout.engine=fast` on 2 FSDP2 processes (gloo): each rank gathers the shards once per rollout
-    and decodes with the full weights; its log-probs match the sharded trainer's forward, evaluation included."""
+def test_fsdp2_two_processes_decode_the_gathered_weights_or_their_replica(tmp_path, tiny_model_dir):
+    """`gearlab train rollout.engine=fast` on 2 FSDP2 processes (gloo): each rank decodes the full weights, gathered
+    once per rollout or copied into a persistent replica after each optimizer step (rollout.fast.sharded_weights);
+    its log-probs match the sharded trainer's forward, evaluation included, and both ways give the same run."""
     import subprocess
     import sys
 
     import mlflow
 
-    args = [f"model.name_or_path={tiny_model_dir}", "trainer.accelerator=cpu", "trainer.devices=2",
-            "rollout.engine=fast",
-            "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "eval.num_problems=4",
-            "trainer.progress_bar=false", "optim.lr=1e-3", "trainer.max_steps=2", f"trainer.output_dir={tmp_path}"]
-    r = subprocess.run(
-        [sys.executable, "-m", "gearlab.cli", "train", *args], capture_output=True, text=True, timeout=600
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
-    m = run.data.metrics
-    assert m["fast/steps"] > 0 and m["update/engine_lp_diff_abs"] < 1e-5 and "eval/greedy_accuracy" in m
+    histories = {}
+    for mode in ("gather", "replica"):
+        out = tmp_path / mode
+        args = [f"model.name_or_path={tiny_model_dir}", "trainer.accelerator=cpu", "trainer.devices=2",
+                "rollout.engine=fast", f"rollout.fast.sharded_weights={mode}",
+                "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "eval.num_problems=4",
+                "trainer.progress_bar=false", "optim.lr=1e-3", "trainer.max_steps=2", f"trainer.output_dir={out}"]
+        r = subprocess.run(
+            [sys.executable, "-m", "gearlab.cli", "train", *args], capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        client = mlflow.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+        run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+        m = run.data.metrics
+        assert m["fast/steps"] > 0 and m["update/engine_lp_diff_abs"] < 1e-5 and "eval/greedy_accuracy" in m
+        histories[mode] = [(h.step, h.value) for k in ("train/reward", "train/response_len", "update/grad_norm")
+                           for h in client.get_metric_history(run.info.run_id, k)]
+        if mode == "replica":
+            assert m["fast/replica_gib"] > 0 and m["fast/replica_refresh_s"] > 0
+    assert len(histories["gather"]) == 6 and histories["replica"] == histories["gather"]
 
 
 def test_compiled_step_samples_the_same_tokens(setup, tokenizer):

@@ -125,3 +125,20 @@ def test_no_signal_streak_counts_resets_and_says_what_to_check(caplog):
                         "reward: the problems are too easy for this model "
                         "(trainer.no_signal_patience=2)"),
     ]
+
+
+def test_logged_loss_terms_are_the_whole_batchs_at_any_micro_batch_size(tmp_path, tiny_model_dir, graded_task):
+    """update/pg_loss, kl and entropy_bonus are the loss terms of the whole update, whatever the number of micro-batches
+    it is cut into (a mean of per-micro-batch partial sums would log 1/4 of them with 4 micro-batches)."""
+    logged = {}
+    for mbs in (16, 4):  # 4 prompts × 4: one micro-batch, then four; the 2nd iteration's KL to the start is not 0
+        cfg = load_config([f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path / str(mbs)}",
+                           "trainer.max_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                           "rollout.max_new_tokens=12", f"algorithm.micro_batch_size={mbs}", "algorithm.kl_coef=0.1",
+                           "algorithm.entropy_coef=0.01", "trainer.progress_bar=false", "optim.lr=1e-3",
+                           "eval.num_problems=0", "task.name=digit_share_for_tests"])
+        res = train(cfg)
+        logged[mbs] = mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).data.metrics
+    for k in ("update/pg_loss", "update/kl", "update/entropy_bonus"):
+        assert logged[16][k] != 0, k
+        assert logged[4][k] == pytest.approx(logged[16][k], rel=1e-4, abs=1e-7), k

@@ -103,9 +103,13 @@ def test_paired_comparison_on_the_tool_task(tmp_path, tool_model_dir):
     assert "called a tool (final greedy)" in out["table"] and "| mt_grpo" in out["table"]  # the table the CLI prints
 
 
-def test_multi_turn_training_on_two_fsdp2_processes(tmp_path, tool_model_dir):
+@pytest.mark.parametrize("engine", [[], ["rollout.engine=fast"],
+                                    ["rollout.engine=fast", "rollout.fast.sharded_weights=replica"]],
+                         ids=["hf", "fast-gather", "fast-replica"])
+def test_multi_turn_training_on_two_fsdp2_processes(tmp_path, tool_model_dir, engine):
     """Ranks whose episodes end at different turns (and hold different numbers of rows per generate call:
-    rollout.batch_size=3) keep their collectives in step: 2 gloo ranks train and evaluate the tool task."""
+    rollout.batch_size=3) keep their collectives in step: 2 gloo ranks train and evaluate the tool task, with HF
+    generate and with the fast decoder (which gathers the shards at every call, or refreshes its replica once)."""
     import os
     import subprocess
     import sys
@@ -115,7 +119,7 @@ def test_multi_turn_training_on_two_fsdp2_processes(tmp_path, tool_model_dir):
     args = ["task=tool_arith", "assigner=mt_grpo", f"model.name_or_path={tool_model_dir}", "trainer.devices=2",
             "trainer.accelerator=cpu", "trainer.max_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=3",
             "rollout.batch_size=3", "rollout.max_new_tokens=32", "eval.num_problems=5", "trainer.progress_bar=false",
-            f"trainer.output_dir={tmp_path}"]
+            f"trainer.output_dir={tmp_path}", *engine]
     r = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *args], capture_output=True, text=True,
                        timeout=900, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-3000:]
