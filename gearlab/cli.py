@@ -19,7 +19,8 @@ HELP = textwrap.dedent("""\
     GRPO post-training of language models with pluggable credit assignment.
 
     commands:
-      warmstart   supervised warm-start of the embedded tiny model on the embedded task
+      warmstart   supervised warm start on the task's demonstrations: the embedded tiny model from scratch, or a
+                  pretrained model (model.name_or_path) fine-tuned into runs/warmstart/
       train       GRPO training; the credit method is `assigner=NAME`
       eval        greedy accuracy and pass@k of a model or checkpoint on a task's test split
       assigners [NAME]  list the registered credit assigners; with NAME: its options, defaults and docs
@@ -360,13 +361,12 @@ def _run_config(rdir):
 
 def _warmstart(cfg) -> int:
     from gearlab.config import check_output_dir
-    from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
+    from gearlab.models.loading import run_warmstart, warmstart_dir
 
     check_output_dir(cfg)
     out = run_warmstart(cfg, shipped=False)  # the command recomputes what the package ships
     print(json.dumps(out, indent=2, default=str))
-    ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
-    print(f"warm-started model: {embedded_dir(cfg, ref)}")
+    print(f"warm-started model: {warmstart_dir(cfg)}")
     return 0
 
 

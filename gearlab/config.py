@@ -223,6 +223,7 @@ class WarmstartConfig:
     threads: int = 2
     device: str = "cpu"  # cpu | cuda | auto (cuda when available); the CPU figures in the README are for cpu
     bf16: bool = False  # bf16 autocast (worth it on a GPU with the small size)
+    n_eval: int = 200  # held-out problems the warm start is evaluated on (greedy, sampled, privileged); 0 = none
 
 
 @dataclass

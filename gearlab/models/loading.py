@@ -92,15 +92,47 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
     return model, tok, ref
 
 
+def warmstart_dir(cfg: Config) -> Path:
+    """Where ``gearlab warmstart`` writes: ``<output_dir>/embedded/<name>`` for an embedded tiny model (trained from
+    scratch), ``<output_dir>/warmstart/<model folder name>-<task>`` for a pretrained model (fine-tuned)."""
+    ref = cfg.model.name_or_path
+    if ref in WARMSTARTED:
+        return embedded_dir(cfg, ref)
+    name = ref.split(":", 1)[1] if ref.startswith("embedded:") else Path(ref).expanduser().resolve().name
+    return Path(cfg.trainer.output_dir) / "warmstart" / f"{name}-{cfg.task.name}"
+
+
+def _pretrained_warmstart(cfg: Config, task: Any) -> dict[str, Any]:
+    """SFT of a pretrained model (a folder, or an embedded one such as ``embedded:smollm2-135m``) on the task's
+    demonstrations (``Problem.solution``) into :func:`warmstart_dir`, with the ``warmstart`` settings."""
+    from gearlab.models.warmstart import warmstart
+
+    ref = cfg.model.name_or_path
+    if ref.startswith("embedded:"):
+        load_policy(cfg)  # materialises the embedded folder once
+        src = embedded_dir(cfg, ref)
+    else:
+        check_model_folder(ref)
+        src = Path(ref).expanduser()
+    w = cfg.warmstart
+    return warmstart(warmstart_dir(cfg), task=task, model_dir=src, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                     seed=cfg.trainer.seed, max_minutes=w.max_minutes, device=w.device, bf16=w.bf16,
+                     n_eval=w.n_eval, eval_max_new_tokens=cfg.rollout.max_new_tokens)
+
+
 def run_warmstart(cfg: Config, *, shipped: bool = True) -> dict[str, Any]:
-    """Warm-start the embedded tiny model on the configured task (``gearlab warmstart``). With ``shipped`` and the
-    default recipe, the warm start shipped in the package (the same files the SFT writes) is copied instead."""
+    """Warm-start the configured model on the configured task (``gearlab warmstart``): an embedded tiny model is
+    trained from scratch (with ``shipped`` and the default recipe, the warm start shipped in the package — the same
+    files the SFT writes — is copied instead); a pretrained model is fine-tuned on the task's demonstrations."""
     from gearlab.models.shipped import copy_shipped, shipped_matches
     from gearlab.models.tiny import MODEL_SIZES
     from gearlab.models.warmstart import warmstart
 
     task = task_from_config(cfg)
-    ref = cfg.model.name_or_path if cfg.model.name_or_path in WARMSTARTED else "embedded:tiny-arith"
+    ref = cfg.model.name_or_path
+    if ref not in WARMSTARTED and ref != "embedded:tiny-random":
+        return _pretrained_warmstart(cfg, task)
+    ref = ref if ref in WARMSTARTED else "embedded:tiny-arith"
     out = embedded_dir(cfg, ref)
     if shipped and shipped_matches(cfg, ref):
         log.info("the default warm start of %s: copying the shipped one (gearlab warmstart recomputes it) into %s",
@@ -114,6 +146,7 @@ def run_warmstart(cfg: Config, *, shipped: bool = True) -> dict[str, Any]:
         size = ref.split(":", 1)[1].split("-", 1)[0]  # embedded:<size>-<task kind>
         return warmstart(out, task=task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.trainer.seed,
                          max_minutes=w.max_minutes, model_kwargs=MODEL_SIZES[size], device=w.device, bf16=w.bf16,
+                         n_eval=w.n_eval,
                          eval_max_new_tokens=48 if size == "tiny" else cfg.rollout.max_new_tokens)
     finally:
         torch.set_num_threads(threads)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gearlab.config import load_config
 from gearlab.models.checkpoints import weights_digest
@@ -83,3 +84,19 @@ def test_two_rl_iterations_give_the_pinned_weights(tmp_path):
     summary = json.loads((tmp_path / "pinned" / "summary.json").read_text())["metrics"]
     assert summary["train/iteration"] == 2
     assert digest == RL_SHA256, f"2 GEAR iterations from the shipped start now end at {digest}"
+
+
+def test_gearlab_warmstart_fine_tunes_a_pretrained_model_on_the_tasks_demonstrations(tmp_path, tiny_model_dir):
+    """A model folder (not an embedded tiny one) is fine-tuned, not replaced: `gearlab warmstart` SFTs it on the
+    task's worked solutions into runs/warmstart/<folder>-<task> and says where."""
+    from safetensors.torch import load_file
+
+    out = _gearlab("warmstart", f"model.name_or_path={tiny_model_dir}", "task=rg", "task.options.dataset=chain_sum",
+                   "warmstart.steps=3", "warmstart.batch_size=4", "warmstart.lr=1e-3", "warmstart.n_eval=2",
+                   "rollout.max_new_tokens=8", f"trainer.output_dir={tmp_path}")
+    dest = tmp_path / "warmstart" / f"{tiny_model_dir.name}-rg"
+    assert f"warm-started model: {dest}" in out.stdout
+    res = json.loads((dest / "warmstart.json").read_text())
+    assert res["task"] == "rg" and res["steps"] == 3 and res["n_eval"] == 2 and res["model_dir"] == str(tiny_model_dir)
+    before, after = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(dest / "model.safetensors"))
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
