@@ -87,7 +87,7 @@ class DecodeReplica:
                         dst = self._materialise(name, src)
                     dst.copy_(src)
                     seen.add(name)
-        missing = set(self._slots) - seen - _tied_aliases(self.module)
+        missing = set(self._slots) - seen  # (tied names share one slot: named_parameters lists each once)
         if missing:
             raise ValueError(f"the decode replica got no value for {sorted(missing)[:3]}")
         self.refreshes += 1
@@ -112,17 +112,6 @@ class DecodeReplica:
                         if key in self._slots:
                             self._slots[key] = new
         return new
-
-
-def _tied_aliases(module: nn.Module) -> set[str]:
-    """Names of tensors that share storage with an earlier name (a tied output head): filled through that name."""
-    first: dict[int, str] = {}
-    out = set()
-    for n, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out.add(n)
-        first.setdefault(id(p), n)
-    return out
 
 
 def _empty_like_architecture(model: nn.Module) -> nn.Module:

@@ -24,7 +24,7 @@ import hashlib
 import random
 import re
 
-from gearlab.tasks.base import Problem, Task
+from gearlab.tasks.base import Problem, Task, line_spans
 from gearlab.tasks.registry import register_task
 
 __all__ = ["ArithmeticTask", "evaluate_chain"]
@@ -209,7 +209,7 @@ class ArithmeticTask(Task):
             return None
         if self.reward(problem, completion) == 1.0:
             return None
-        lines = [(s, e) for s, e in _line_spans(completion) if completion[s:e].strip()]
+        lines = [(s, e) for s, e in line_spans(completion) if completion[s:e].strip()]
         if not lines:
             return (0, len(completion)) if completion else None
         want = self.normalize_answer(problem.answer)
@@ -239,16 +239,6 @@ class ArithmeticTask(Task):
         )
 
 
-def _line_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) of every line of `text`, its "\\n" (and a "\\r" before it) excluded."""
-    out, start = [], 0
-    while True:
-        nl = text.find("\n", start)
-        end = len(text) if nl < 0 else nl
-        out.append((start, end - 1 if end > start and text[end - 1] == "\r" else end))
-        if nl < 0:
-            return out
-        start = nl + 1
 
 
 def _expr(operands: list[int], ops: list[str]) -> str:

@@ -17,6 +17,7 @@ __all__ = [
     "Problem",
     "Task",
     "load_jsonl_problems",
+    "line_spans",
     "load_jsonl_rows",
     "privileged_suffix",
     "read_utf8",
@@ -216,3 +217,15 @@ def sample_cycling(pool: list[Problem], n: int, key: str) -> list[Problem]:
         rng.shuffle(order)
         out += order[: n - len(out)]
     return out
+
+
+def line_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of every line of `text`, its "\\n" (and a "\\r" before it) excluded (located-error spans)."""
+    out, start = [], 0
+    while True:
+        nl = text.find("\n", start)
+        end = len(text) if nl < 0 else nl
+        out.append((start, end - 1 if end > start and text[end - 1] == "\r" else end))
+        if nl < 0:
+            return out
+        start = nl + 1

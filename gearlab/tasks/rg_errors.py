@@ -1,6 +1,6 @@
 """Error location for reasoning-gym completions: the span of the first wrong step of a failed completion.
 
-Pure module (standard library only): the reasoning-gym task (``task=rg``) passes the reasoning-gym entry
+X reasoning-gym task (``task=rg``) passes the reasoning-gym entry
 (``question``, ``answer``, ``metadata``) and the completion. Contract as in
 :meth:`gearlab.tasks.base.Task.locate_error`: a span ``(start, end)`` in the completion's coordinates,
 never empty; None when the outcome is correct or when it cannot tell; never raises.
@@ -46,6 +46,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from numbers import Rational, Real
+
+from gearlab.tasks.base import line_spans
 
 __all__ = ["SUPPORTED", "locate_arith_error", "locate_gsm_error"]
 
@@ -195,7 +197,7 @@ def _locate(completion: str, correct: bool, q: _Quantities) -> tuple[int, int] |
     """The shared walk (module docstring)."""
     if not isinstance(completion, str) or correct:
         return None
-    lines = [(s, e) for s, e in _line_spans(completion) if completion[s:e].strip()]
+    lines = [(s, e) for s, e in line_spans(completion) if completion[s:e].strip()]
     if not lines:
         return (0, len(completion)) if completion else None
     tags = list(_ANSWER_RE.finditer(completion))
@@ -497,15 +499,3 @@ def _place_parts(n: Fraction) -> set[Fraction]:
         for b in range(a + 1, k + 1):
             out.add(Fraction(int(digits[a:b] + "0" * (k - b))))
     return out
-
-
-def _line_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) of every line of `text`, its "\\n" (and a "\\r" before it) excluded."""
-    out, start = [], 0
-    while True:
-        nl = text.find("\n", start)
-        end = len(text) if nl < 0 else nl
-        out.append((start, end - 1 if end > start and text[end - 1] == "\r" else end))
-        if nl < 0:
-            return out
-        start = nl + 1
