@@ -24,7 +24,7 @@ case "${1:-4b}" in
       run 4b_d2_fast_replica qwen3-4b 2 fast --sharded-weights replica ;;
   8b) run 8b_d2_hf qwen3-8b 2 hf; run 8b_d2_fast qwen3-8b 2 auto
       run 8b_d2_fast_replica qwen3-8b 2 fast --sharded-weights replica ;;
-  vllm) . /tmp/vsite/env.sh 2>/dev/null || { echo "vLLM not installed (experiments/gpu/vllm_bring.sh install)"; exit 3; }
+  vllm) . "${VLLM_SITE:-/tmp/vsite}/env.sh" 2>/dev/null || { echo "vLLM not installed (experiments/gpu/vllm_bring.sh install)"; exit 3; }
       run 4b_d1_vllm qwen3-4b 1 vllm; run 4b_d2_vllm qwen3-4b 2 vllm; run 4b_d2_vllm_tp2 qwen3-4b 2 vllm --tp 2 ;;
   *) echo "usage: $0 4b|8b|vllm"; exit 2 ;;
 esac
