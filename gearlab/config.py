@@ -50,12 +50,14 @@ class VLLMConfig:
     weight_sync: str = "auto"
     bucket_mb: float = 512  # inplace sync: parameters are sent in buckets of at most this many MB
     sleep: str = "auto"  # auto (on with CUDA) | on | off: free the engine's GPU memory during the update (sleep/wake)
-    sleep_level: int = 1  # vLLM sleep level: 1 offloads weights to CPU and drops the KV cache; 2 drops both
+    # vLLM sleep level: 1 offloads the weights to CPU and drops the KV cache; 2 drops both (buffers are kept);
+    # 0 = auto: 2 while weights sync in place (they are rewritten after every wake anyway), else 1
+    sleep_level: int = 0
     gpu_memory_utilization: float = 0.3  # share of each GPU the engine may take (weights + KV cache)
     tensor_parallel_size: int = 1  # >1: the engine spans this many of a node's training processes
     max_model_len: int = 0  # 0 = longest prompt budget + max_new_tokens, rounded up
     enforce_eager: bool = True  # no CUDA graphs (start-up in seconds; set false for long GPU runs)
-    dtype: str = "auto"  # auto = the policy's dtype
+    dtype: str = "auto"  # auto = the dtype the policy computes in: autocast's under bf16-mixed, else its parameters'
     cpu_kv_cache_gb: int = 1  # CPU backend only (VLLM_CPU_KVCACHE_SPACE)
 
 
@@ -522,8 +524,10 @@ def validate(cfg: Config) -> None:
             "key 'rollout.vllm.gpu_memory_utilization': must be in (0, 1], got "
             f"{cfg.rollout.vllm.gpu_memory_utilization}"
         )
-    if cfg.rollout.vllm.sleep_level not in (1, 2):
-        raise ConfigError(f"key 'rollout.vllm.sleep_level': must be 1 or 2, got {cfg.rollout.vllm.sleep_level}")
+    if cfg.rollout.vllm.sleep_level not in (0, 1, 2):
+        raise ConfigError(
+            f"key 'rollout.vllm.sleep_level': must be 0 (auto), 1 or 2, got {cfg.rollout.vllm.sleep_level}"
+        )
     if cfg.trainer.no_signal_patience < 0:
         raise ConfigError(
             "key 'trainer.no_signal_patience': must be >= 0 (0 = no louder warning), got "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 def table(dirs: list[Path]) -> str:
     rows = [json.loads(p.read_text()) | {"name": p.stem} for d in dirs for p in sorted(d.glob("*.json"))]
+    rows = [r for r in rows if "s_per_iter" in r]  # the folder also holds the launch and world-size records
     cards = sorted({r["device"] for r in rows})
     out = [f"Card: {', '.join(cards)}. Median of iterations 2–3 per variant; peak = rank 0's max allocated.", "",
            "| variant | shape | GPUs | engine | s / iteration | rollout s | signals + credit s | update s | "

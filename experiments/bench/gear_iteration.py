@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--sharded-weights", default="gather", choices=["gather", "replica"],
                     help="fast decoder on a sharded policy: rollout.fast.sharded_weights")
     ap.add_argument("--tp", type=int, default=1, help="vllm: rollout.vllm.tensor_parallel_size")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a further config override, after the workload's (repeatable)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -64,7 +66,7 @@ def main() -> None:
                        "rollout.batch_size=128", "algorithm.micro_batch_size=8",
                        "trainer.activation_checkpointing=true",
                        "optim.lr=1e-6", "signals.chunk_size=1024", f"trainer.max_steps={a.iters}",
-                       f"assigner={a.assigner}"])
+                       f"assigner={a.assigner}", *a.set])
     tok = build_tokenizer()
     torch.manual_seed(0)
     mcfg = Qwen3Config(vocab_size=V, max_position_embeddings=4096, rope_theta=1e6, pad_token_id=tok.pad_token_id,
@@ -94,7 +96,7 @@ def main() -> None:
         tokens = PROMPTS * G * (64 + a.new)
         engine_keys = sorted({k for t in later for k in t if k.startswith(("fast/", "vllm/", "engine_"))})
         res = {"shape": a.shape, "assigner": a.assigner, "strategy": a.strategy, "devices": a.devices,
-               "engine": cfg.rollout.engine, "sharded_weights": a.sharded_weights, "vllm_tp": a.tp,
+               "engine": cfg.rollout.engine, "sharded_weights": a.sharded_weights, "vllm_tp": a.tp, "overrides": a.set,
                "sequences": PROMPTS * G,
                "new_tokens": a.new, "s_per_iter_all": [round(t, 2) for t in tot],
                "s_per_iter": round(statistics.median(tot[1:] or tot), 2), "rollout_s": med("time_rollout_s"),

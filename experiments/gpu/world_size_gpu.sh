@@ -2,15 +2,18 @@
 # 1 GPU vs 2 GPUs (FSDP2, NCCL) give the same run: `gearlab train` from the shipped warm start, 2 iterations, in
 # two settings of tests/parallel/test_world_size.py, on a 2-GPU kind (device `run`, carry [".whl"]):
 #   [ENGINE=hf] bash experiments/gpu/world_size_gpu.sh      (default ENGINE=auto)
+# C = A with rollout.batch_size=16: each generate call then holds the same 16 rows on 1 GPU (two calls) as on each of
+# 2 GPUs (one call), so batch-shape-dependent GPU kernels see the same shapes.
 # Prints, per setting, ||w(2) - w(1)|| / ||w(1) - w(start)|| and the max-element ratio; writes $OUT/world_size.json.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader
 common="trainer.accelerator=gpu trainer.precision=32-true rollout.prompts_per_step=8 rollout.group_size=4 trainer.max_steps=2 eval.num_problems=0 trainer.progress_bar=false optim.lr=1e-3 trainer.run_name=ws rollout.engine=${ENGINE:-auto}"
-rm -rf /tmp/A-1 /tmp/A-2 /tmp/B-1 /tmp/B-2
+rm -rf /tmp/A-1 /tmp/A-2 /tmp/B-1 /tmp/B-2 /tmp/C-1 /tmp/C-2
 run() { out=$1; dev=$2; shift 2; timeout 200 gearlab train $common trainer.devices=$dev trainer.output_dir=$out "$@" > $out.log 2>&1 || tail -5 $out.log; }
 for s in "A algorithm.agg=seq-mean-token-sum-norm algorithm.std_scope=batch algorithm.mini_batches=2" \
-         "B algorithm.agg=token-mean algorithm.ppo_epochs=2 assigner=gear"; do
+         "B algorithm.agg=token-mean algorithm.ppo_epochs=2 assigner=gear" \
+         "C algorithm.agg=seq-mean-token-sum-norm algorithm.std_scope=batch algorithm.mini_batches=2 rollout.batch_size=16"; do
   set -- $s; name=$1; shift
   run /tmp/$name-1 1 "$@"; run /tmp/$name-2 2 "$@"
 done
@@ -18,7 +21,7 @@ python3 - <<'P'
 import json, os, torch
 from safetensors.torch import load_file
 res = {"gpu": os.popen("nvidia-smi --query-gpu=name --format=csv,noheader").read().split("\n")[0]}
-for n in ("A", "B"):
+for n in ("A", "B", "C"):
     try:
         s = load_file(f"/tmp/{n}-1/embedded/tiny-arith/model.safetensors")
         a, b = load_file(f"/tmp/{n}-1/ws/final/model.safetensors"), load_file(f"/tmp/{n}-2/ws/final/model.safetensors")

@@ -99,6 +99,17 @@ def pad_left_to(ids: Tensor, mask: Tensor, multiple: int, pad_id: int) -> tuple[
     return (torch.nn.functional.pad(ids, (extra, 0), value=pad_id), torch.nn.functional.pad(mask, (extra, 0), value=0))
 
 
+def trim_left(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Drop the leading columns of left-padded prompts [N, P] that are padding in every row: a generate call's
+    prompts padded to its own longest, so the shapes a chunk of rows decodes with depend on those rows only, not
+    on the rows beside them on this rank (on GPUs kernels are chosen by shape: the world-size guarantee)."""
+    filled = mask.bool().any(0)
+    if not filled.any():
+        return ids, mask
+    first = int(filled.nonzero()[0])
+    return ids[:, first:], mask[:, first:]
+
+
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

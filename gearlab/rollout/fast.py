@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from gearlab.parallel.distributed import is_sharded, unsharded
 from gearlab.parallel.replica import DecodeReplica
-from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, row_seeds, stop_token_ids
+from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, row_seeds, stop_token_ids, trim_left
 from gearlab.rollout.decoder import Decoder, KVCache
 from gearlab.rollout.sampler import sample_rows
 
@@ -117,14 +117,14 @@ class FastDecoder:
             with unsharded(target):
                 dec = self._decoder_for(target)
                 dev = dec.head.weight.device
-                ids, mask = prompt_ids, prompt_mask
-                if self._fixed_shapes(model):  # a few prompt widths recur: captured graphs are reused
-                    ids, mask = pad_left_to(prompt_ids, prompt_mask, STATIC_PAD, self.pad_id)
-                all_seeds = row_seeds(seed, ids.shape[0])
-                for s in range(0, ids.shape[0], self.batch_size):
+                all_seeds = row_seeds(seed, prompt_ids.shape[0])
+                for s in range(0, prompt_ids.shape[0], self.batch_size):
                     rows = slice(s, s + self.batch_size)
                     seeds = all_seeds[s : s + self.batch_size]
-                    tok, lp, n = self._decode(dec, ids[rows].to(dev), mask[rows].to(dev), seeds.to(dev), sampling)
+                    ids, mask = trim_left(prompt_ids[rows], prompt_mask[rows])
+                    if self._fixed_shapes(model):  # a few prompt widths recur: captured graphs are reused
+                        ids, mask = pad_left_to(ids, mask, STATIC_PAD, self.pad_id)
+                    tok, lp, n = self._decode(dec, ids.to(dev), mask.to(dev), seeds.to(dev), sampling)
                     outs.append((tok.cpu(), lp.cpu()))
                     steps += n
         finally:

@@ -18,7 +18,7 @@ from transformers import LogitsProcessor
 from gearlab.core.batch import RolloutBatch
 from gearlab.parallel.distributed import global_max_int
 from gearlab.rollout.base import (STATIC_PAD, SamplingParams, TokenGenerator, idle_prompt, left_pad, pad_left_to,
-                                  row_seeds, stop_token_ids)
+                                  row_seeds, stop_token_ids, trim_left)
 from gearlab.rollout.sampler import sample_rows
 from gearlab.tasks.base import Problem, Task
 
@@ -98,6 +98,7 @@ class HFRolloutEngine:
                     prompt_ids, self.tok.pad_token_id
                 )).to(device)
                 mask = (prompt_mask[s : s + self.batch_size] if not idle else torch.ones_like(ids)).to(device)
+                ids, mask = trim_left(ids, mask)
                 kw: dict = {}
                 if self.synced_gpus:
                     kw["synced_gpus"] = True

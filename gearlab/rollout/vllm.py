@@ -58,11 +58,22 @@ def vllm_available() -> bool:
     return True
 
 
+def compute_dtype(model: nn.Module) -> str:
+    """The dtype ``model`` computes in, as vLLM names it: autocast's when autocast is on for its device (Lightning's
+    bf16-mixed over fp32 master weights → ``bfloat16``), else its parameters' dtype. The fast decoder decodes under
+    the same autocast, so both engines sample from the policy the trainer scores."""
+    p = next(model.parameters())
+    dev = p.device.type
+    if torch.is_autocast_enabled(dev):
+        return str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+    return str(p.dtype).removeprefix("torch.")
+
+
 class VLLMGenerator:
     """vLLM behind gearlab's ``TokenGenerator`` protocol (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, *, model_dir: str | None = None, weight_sync: str = "auto", bucket_mb: int = 512,
-                 sleep: str = "auto", sleep_level: int = 1, gpu_memory_utilization: float = 0.3,
+                 sleep: str = "auto", sleep_level: int = 0, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, max_model_len: int = 1024, enforce_eager: bool = True,
                  dtype: str = "auto", cpu_kv_cache_gb: int = 1, workdir: str | None = None,
                  llm_factory: Callable[..., Any] | None = None) -> None:
@@ -139,8 +150,11 @@ class VLLMGenerator:
         """Rollout done: on GPUs with sleep on, free the engine's memory for the update."""
         if self.llm is not None and self._sleep_on() and not self.asleep:
             t = time.perf_counter()
-            self.llm.sleep(level=self.sleep_level)
+            level = self.sleep_level or (2 if self.path == "inplace" else 1)
+            self.llm.sleep(level=level)
             self.asleep = True
+            if level == 2:  # the weights are gone: the next call must sync, optimizer step or not
+                self.stale = True
             self._stats["vllm/sleep_s"] = time.perf_counter() - t
 
     def stats(self) -> dict[str, float]:
@@ -154,7 +168,7 @@ class VLLMGenerator:
             self.path = "reload" if self.weight_sync == "reload" else "inplace"
             t = time.perf_counter()
             if self.dtype == "auto":
-                self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+                self.dtype = compute_dtype(model)
             self.max_model_len = min(
                 self.max_model_len, getattr(model.config, "max_position_embeddings", self.max_model_len)
             )
@@ -278,9 +292,7 @@ class VLLMGenerator:
         return self.sleep_mode == "on" or (self.sleep_mode == "auto" and torch.cuda.is_available())
 
     def _engine_dtype(self, model: nn.Module) -> torch.dtype:
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        return next(model.parameters()).dtype
+        return getattr(torch, self.dtype if self.dtype != "auto" else compute_dtype(model))
 
     def _build(self, src: str) -> Any:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -104,6 +104,28 @@ def test_a_rows_samples_depend_on_its_seed_alone(setup, tokenizer):
     assert not torch.equal(other, full)
 
 
+@pytest.mark.parametrize("shapes", ["off", "on"])
+def test_a_chunk_decodes_with_the_shapes_of_its_own_rows(tokenizer, tiny_model_factory, shapes):
+    """Rows 0-3 decoded as the first chunk of a wider rank batch (their prompts padded to all 12) give bit-identical
+    log-probs to rows 0-3 as a rank's whole batch (padded to their own longest): each call trims the columns that
+    are padding in all its rows. On GPUs, kernels are picked by shape, so this is what lets N ranks reproduce 1."""
+    model = tiny_model_factory(0).eval()
+    task = get_task("arith")
+    eng = HFRolloutEngine(tokenizer, task, batch_size=4)
+    own, omask = eng.encode_prompts(task.problems("train", 4, seed=5))
+    # rows 0-3 as a wider batch holds them: 5 more padding columns, for a longer prompt among rows 4-11
+    wide = torch.nn.functional.pad(own, (5, 0), value=tokenizer.pad_token_id).repeat(3, 1)
+    wmask = torch.nn.functional.pad(omask, (5, 0), value=0).repeat(3, 1)
+    wide[4:, :5], wmask[4:, :5] = 7, 1
+    sp = SamplingParams(max_new_tokens=12)
+    fast = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs=shapes)
+    a, am, alp = fast.sample(model, wide, wmask, sp, seed=7)
+    b, bm, blp = fast.sample(model, own, omask, sp, seed=7)
+    n = bm.shape[1]
+    assert torch.equal(a[:4, :n], b) and torch.equal(alp[:4, :n], blp)
+    assert torch.equal(eng.sample(model, wide, wmask, sp, seed=7)[0][:4, :n], eng.sample(model, own, omask, sp, seed=7)[0])
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_hf_generate_samples_the_fast_decoders_tokens(setup, tokenizer, temperature, top_p):
     """HF ``generate`` draws with the same per-row seeded sampler (a logits processor): the same sampled tokens as the

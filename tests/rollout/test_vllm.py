@@ -80,6 +80,37 @@ def test_sleep_and_wake_around_the_update(tokenizer, tiny_model_factory, tiny_mo
     ] is True if torch.cuda.is_available() else "enable_sleep_mode" not in gen.llm.kw
 
 
+@pytest.mark.parametrize("sync,level", [("inplace", 2), ("reload", 1)])
+def test_auto_sleep_level_drops_the_weights_only_when_they_are_synced_in_place(
+    tokenizer, tiny_model_factory, tiny_model_dir, sync, level
+):
+    model = tiny_model_factory(0)
+    log: list = []
+    gen = _fake(log, tokenizer, tiny_model_dir, weight_sync=sync, sleep="on")
+    gen._ready(model)
+    gen.release()
+    assert ("sleep", level) in log
+    n = len(log)
+    gen._ready(model)  # no optimizer step in between (a skipped step, an evaluation): level 2 must still sync
+    synced = [e[0] for e in log[n:]]
+    if level == 2:
+        assert synced == ["wake_up", "reload_weights", "wake_up"]
+    else:  # level 1 kept the weights (offloaded to CPU): nothing is sent
+        assert synced == ["wake_up", "wake_up"]
+
+
+def test_engine_dtype_follows_the_autocast_the_policy_computes_in(tokenizer, tiny_model_factory, tiny_model_dir):
+    model = tiny_model_factory(0)  # fp32 master weights
+    log: list = []
+    gen = _fake(log, tokenizer, tiny_model_dir, weight_sync="inplace")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as under Lightning's bf16-mixed
+        gen._ready(model)
+    assert gen.llm.kw["dtype"] == "bfloat16" and log[1][2] == {torch.bfloat16}
+    plain = _fake([], tokenizer, tiny_model_dir, weight_sync="inplace")
+    plain._ready(model)
+    assert plain.llm.kw["dtype"] == "float32"
+
+
 def test_no_sleep_on_cpu_by_default(tokenizer, tiny_model_factory, tiny_model_dir):
     log: list = []
     gen = _fake(log, tokenizer, tiny_model_dir, weight_sync="inplace")
