@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the report reads many small artifacts
     from gearlab.config import ConfigError, load_config
+    from gearlab.stopping import Stopped
 
     if cmd == "new-assigner":
         if print_config:
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gearlab: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:  # a stop request during work that keeps nothing partial (a warm start)
+        print(f"gearlab: {e}: the same command starts it again", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:  # Ctrl-C twice (past the clean stop of train / compare), or in a command without one
         print("gearlab: aborted (Ctrl-C); a training run keeps its last checkpoint: the same command resumes it",
               file=sys.stderr)

@@ -9,7 +9,7 @@ Re-running the same command skips finished children and resumes a partial one fr
 ``trainer.max_steps`` extends finished ones; any other change to a child's configuration is refused before any work,
 gearlab.trainer.resume). One comparison runs at a time: a second ``gearlab compare`` of the same name stops with one
 line naming the first (``<output_dir>/<name>/.lock``). Ctrl-C or SIGTERM: the running children stop at an iteration
-boundary with a checkpoint, none starts after it, and the command exits with 130 / 143 (gearlab.trainer.stopping).
+boundary with a checkpoint, none starts after it, and the command exits with 130 / 143 (gearlab.stopping).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from gearlab import credit
 from gearlab.config import Config, ConfigError, flatten, load_config
 from gearlab.core.metrics import sanitize_metric_key
-from gearlab.trainer.stopping import STOP_SIGNALS, StopSignals
+from gearlab.stopping import STOP_SIGNALS, StopSignals
 from gearlab.trainer.tracking import ensure_experiment, git_sha, record_versions, tracking_uri, version_tags
 
 

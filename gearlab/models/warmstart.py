@@ -14,13 +14,16 @@ import json
 import math
 import os
 import random
+import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
+from gearlab.stopping import Stopped, pending_stop
 from gearlab.tasks.base import Problem, Task
 from gearlab.tasks.registry import get_task
 
@@ -262,6 +265,8 @@ def warmstart(
     losses: list[float] = []
     t_train = time.perf_counter()
     for step in range(steps):
+        if signum := pending_stop():  # a Ctrl-C / SIGTERM to `gearlab train` or `compare` while it warm-starts
+            raise Stopped(signum, f"the warm start of {out} (step {step} of {steps}; nothing was written)")
         elapsed = time.perf_counter() - t_train
         if max_minutes is not None and elapsed > 60 * max_minutes:
             break
@@ -334,14 +339,18 @@ def warmstart(
         result["eval_seconds"] = round(time.perf_counter() - t_eval, 2)
     result["wall_seconds"] = round(time.perf_counter() - t_start, 2)
 
-    if save:
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+    if save:  # into a temporary folder swapped in whole: a killed save never leaves a config.json without weights
         from gearlab.models.checkpoints import weights_digest
 
-        result["weights_sha256"] = weights_digest(out)
-        (out / "warmstart.json").write_text(json.dumps(result, indent=2) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        result["weights_sha256"] = weights_digest(tmp)
+        (tmp / "warmstart.json").write_text(json.dumps(result, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     if verbose:
         print("[warmstart] " + json.dumps({k: v for k, v in result.items() if k != "task_repr"}), flush=True)
     return result

@@ -32,7 +32,7 @@ from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
 from gearlab.tasks.registry import task_from_config
 from gearlab.trainer.resume import RunState, check_engine, check_resume, pin_summary, record_extension, saved_yaml
-from gearlab.trainer.stopping import StopSignals
+from gearlab.stopping import StopSignals
 from gearlab.trainer.tracking import check_tracking_uri, make_logger, tracking_uri
 
 log = logging.getLogger("gearlab")
@@ -135,7 +135,7 @@ def run_folder_lock(rdir: Path) -> Iterator[None]:
 
 
 class RunStop(StopSignals):
-    """The stop scope of one training run (gearlab.trainer.stopping): the first Ctrl-C (SIGINT) or SIGTERM marks the
+    """The stop scope of one training run (gearlab.stopping): the first Ctrl-C (SIGINT) or SIGTERM marks the
     module (``GRPOModule.interrupted``), which then finishes the current iteration, writes its checkpoint and stops, so
     the same command resumes exactly where it stopped (and MLflow holds one value per iteration). A second Ctrl-C
     aborts at once. Entered before the model loads, so a request during loading is kept for the module."""
@@ -151,11 +151,11 @@ class RunStop(StopSignals):
     def _tell(self, signum: int, first: bool) -> None:
         if self.module is not None:
             self.module.interrupted = True
-        if first:
-            log.warning((
-                "stop requested (%s): finishing this iteration and writing a checkpoint; Ctrl-C again aborts now"
-            ),
-                        signal.Signals(signum).name)
+        if first and self.module is None:  # still loading (a warm start polls gearlab.stopping.pending_stop)
+            log.warning("stop requested (%s) before training began: stopping", signal.Signals(signum).name)
+        elif first:
+            log.warning("stop requested (%s): finishing this iteration and writing a checkpoint; "
+                        "Ctrl-C again aborts now", signal.Signals(signum).name)
 
 
 class KeepStopSignals(Callback):

@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 
 from gearlab.config import ConfigError, load_config, to_yaml
 from gearlab.trainer.resume import check_resume
-from gearlab.trainer.stopping import StopSignals
+from gearlab.stopping import StopSignals
 from gearlab.trainer.train import train
 
 
@@ -195,3 +196,32 @@ def test_a_signal_stops_training_at_an_iteration_boundary(tmp_path, tiny_model_d
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/reward")) == list(range(n))
     assert not (tmp_path / "arith-grpo-s0" / "summary.json").exists()
     assert not (tmp_path / "arith-grpo-s0" / "final").exists()
+
+
+def test_a_signal_during_the_warm_start_stops_it_at_the_next_step(tmp_path):
+    """`gearlab train` on an embedded model whose warm start is not the shipped one trains it first; a SIGTERM then
+    (a scheduler's time limit) ends it at the next SFT step with exit 143 and one line, not minutes later, and leaves
+    no partial model folder for the next run to trip over."""
+    args = ["train", "model.name_or_path=embedded:tiny-arith", f"trainer.output_dir={tmp_path}",
+            "warmstart.steps=5000", "warmstart.n_eval=0", "trainer.progress_bar=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "gearlab.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_restore_sigint)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not any("`gearlab warmstart`" in ln for ln in lines):
+        time.sleep(0.1)
+    assert proc.poll() is None, "".join(lines)[-2000:]
+    time.sleep(2)  # into the SFT steps
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    assert proc.returncode == 143, "".join(lines)[-2000:]
+    assert time.time() - t0 < 30
+    msg = [ln for ln in lines if ln.startswith("gearlab: stopped (SIGTERM) during the warm start of")]
+    assert len(msg) == 1 and "nothing was written" in msg[0] and "the same command starts it again" in msg[0]
+    assert "stop requested (SIGTERM) before training began" in "".join(lines)
+    assert not (tmp_path / "embedded" / "tiny-arith").exists()
+    assert not list(tmp_path.glob("embedded/.*"))

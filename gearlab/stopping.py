@@ -17,6 +17,22 @@ from types import FrameType
 from typing import Any, Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SCOPES: list["StopSignals"] = []  # the scopes installed in the main thread, innermost last
+
+
+def pending_stop() -> int:
+    """The signal of the stop request the innermost installed scope holds (0: none, or no scope). Long work that runs
+    before a training loop exists to honour the request (a warm start inside ``gearlab train`` or ``compare``) polls
+    it and raises :class:`Stopped`."""
+    return _SCOPES[-1].signum if _SCOPES else 0
+
+
+class Stopped(Exception):
+    """A stop request ended work that keeps nothing partial (``what``); the command exits with 128 + ``signum``."""
+
+    def __init__(self, signum: int, what: str) -> None:
+        self.signum, self.what = signum, what
+        super().__init__(f"stopped ({signal.Signals(signum).name}) during {what}")
 
 
 class StopSignals:
@@ -85,10 +101,13 @@ class StopSignals:
         if self._outer is not None and self._outer.requested and not self.requested:
             self.signum = self._outer.signum  # asked before this scope began (a child starting in a stopping worker)
         self.install()
+        _SCOPES.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if threading.current_thread() is threading.main_thread():
             for s, h in self._old.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+            if self in _SCOPES:
+                _SCOPES.remove(self)
         self._old = {}
