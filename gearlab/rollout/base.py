@@ -38,9 +38,12 @@ class TokenGenerator(Protocol):
     calls the other three around each iteration. Every method here is called: an engine implements all four."""
 
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
-               seed: int) -> tuple[Tensor, Tensor, Tensor | None]:
+               seed: int, step_offset: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Left-padded prompts [N, P] → (response ids [N, T] right-padded, mask [N, T] bool, the engine's
-        log-probs of the sampled tokens [N, T] float32 or None)."""
+        log-probs of the sampled tokens [N, T] float32 or None). ``step_offset`` [N] int64 (None = 0): row i's first
+        new token is draw number ``step_offset[i]`` of its seed's stream — a prompt that ends with the first
+        ``step_offset[i]`` tokens of a response continues it with the draws the whole response was sampled with
+        (``gearlab.rollout.continuation``). An engine whose sampler is not gearlab's (vLLM) draws fresh samples."""
         ...
 
     def release(self) -> None:

@@ -56,6 +56,7 @@ class _Run:
     n_prompt: Tensor  # [B] real prompt tokens = rotary position of the first generated token
     key_ok: Tensor  # [B, P+T] prompt mask, then True
     seeds: Tensor  # [B]
+    offsets: Tensor  # [B] each row's first draw number (a continued response: its prefix length)
     out_tok: Tensor  # [B, T]
     out_lp: Tensor  # [B, T]
     done: Tensor  # [B]
@@ -101,7 +102,7 @@ class FastDecoder:
     # -- the TokenGenerator protocol ------------------------------------------------------------
     @torch.no_grad()
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
-               seed: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+               seed: int | Tensor, step_offset: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Left-padded prompts [N, P] → (response ids [N, T] right-padded, mask [N, T] bool, the engine's log-probs
         of the sampled tokens [N, T] float32, 0 on padding)."""
         was_training = model.training
@@ -118,13 +119,15 @@ class FastDecoder:
                 dec = self._decoder_for(target)
                 dev = dec.head.weight.device
                 all_seeds = row_seeds(seed, prompt_ids.shape[0])
+                all_offsets = step_offset if step_offset is not None else torch.zeros_like(all_seeds)
                 for s in range(0, prompt_ids.shape[0], self.batch_size):
                     rows = slice(s, s + self.batch_size)
                     seeds = all_seeds[s : s + self.batch_size]
                     ids, mask = trim_left(prompt_ids[rows], prompt_mask[rows])
                     if self._fixed_shapes(model):  # a few prompt widths recur: captured graphs are reused
                         ids, mask = pad_left_to(ids, mask, STATIC_PAD, self.pad_id)
-                    tok, lp, n = self._decode(dec, ids.to(dev), mask.to(dev), seeds.to(dev), sampling)
+                    offsets = all_offsets[s : s + self.batch_size].to(dev)
+                    tok, lp, n = self._decode(dec, ids.to(dev), mask.to(dev), seeds.to(dev), sampling, offsets)
                     outs.append((tok.cpu(), lp.cpu()))
                     steps += n
         finally:
@@ -212,7 +215,7 @@ class FastDecoder:
         return self._decoder
 
     def _decode(
-        self, dec: Decoder, ids: Tensor, mask: Tensor, seeds: Tensor, sp: SamplingParams
+        self, dec: Decoder, ids: Tensor, mask: Tensor, seeds: Tensor, sp: SamplingParams, offsets: Tensor
     ) -> tuple[Tensor, Tensor, int]:
         """One batch: prefill, then decode steps. Returns (tokens [B, T], log-probs [B, T], steps run)."""
         B, P = ids.shape
@@ -228,6 +231,7 @@ class FastDecoder:
             run.n_prompt.copy_(mask.sum(1))
             run.key_ok[:, :P].copy_(mask.bool())
             run.seeds.copy_(seeds)
+            run.offsets.copy_(offsets)
             run.out_tok.fill_(self.pad_id)
             run.out_lp.zero_()
             run.done.zero_()
@@ -258,7 +262,7 @@ class FastDecoder:
             lng = dict(dtype=torch.long, device=dev)
             run = _Run(P=P, T=T, cache=dec.new_cache(B, P + T), tok=torch.zeros(B, **lng), step=torch.zeros((), **lng),
                        n_prompt=torch.zeros(B, **lng), key_ok=torch.ones(B, P + T, dtype=torch.bool, device=dev),
-                       seeds=torch.zeros(B, **lng), out_tok=torch.zeros(B, T, **lng),
+                       seeds=torch.zeros(B, **lng), offsets=torch.zeros(B, **lng), out_tok=torch.zeros(B, T, **lng),
                        out_lp=torch.zeros(B, T, dtype=torch.float32, device=dev),
                        done=torch.zeros(B, dtype=torch.bool, device=dev),
                        stops=torch.tensor(self.stop_ids, **lng))
@@ -267,7 +271,7 @@ class FastDecoder:
 
     def _emit(self, run: _Run, logits: Tensor, sp: SamplingParams) -> None:
         """Sample token ``run.step`` from logits [B, V], record it, advance the step (no host sync)."""
-        tok, lp = sample_rows(logits, run.seeds, run.step, temperature=sp.temperature, top_k=sp.top_k,
+        tok, lp = sample_rows(logits, run.seeds, run.step + run.offsets, temperature=sp.temperature, top_k=sp.top_k,
                               top_p=sp.top_p, greedy=sp.greedy)
         tok = torch.where(run.done, self.pad_id, tok)
         lp = lp.masked_fill(run.done, 0.0)

@@ -69,16 +69,20 @@ class HFRolloutEngine:
         return resp, mask
 
     def sample_with_logprobs(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
-                             seed: int | Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+                             seed: int | Tensor, step_offset: Tensor | None = None
+                             ) -> tuple[Tensor, Tensor, Tensor | None]:
         """``sample`` plus the generating engine's log-probs of the sampled tokens [N, T] (None for HF
-        ``generate``: the trainer's own forward is the reference there)."""
+        ``generate``: the trainer's own forward is the reference there). ``step_offset``: see
+        ``TokenGenerator.sample``."""
         if self.generator is not None:
-            return self.generator.sample(model, prompt_ids, prompt_mask, sampling, seed)
-        return (*self._hf_sample(model, prompt_ids, prompt_mask, sampling, seed), None)
+            kw = {} if step_offset is None else {"step_offset": step_offset}
+            return self.generator.sample(model, prompt_ids, prompt_mask, sampling, seed, **kw)
+        return (*self._hf_sample(model, prompt_ids, prompt_mask, sampling, seed, step_offset), None)
 
     @torch.no_grad()
     def _hf_sample(
-        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int | Tensor
+        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams, seed: int | Tensor,
+        step_offset: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         was_training = model.training
         model.eval()
@@ -107,7 +111,9 @@ class HFRolloutEngine:
                     kw["cache_implementation"] = "static"
                 if not sampling.greedy:  # (after the padding: the decode step counts from the padded width)
                     rows = seeds[s : s + self.batch_size] if not idle else seeds.new_zeros(1)
-                    kw["logits_processor"] = [_RowSampler(rows.to(device), ids.shape[1], sampling)]
+                    off = (step_offset[s : s + self.batch_size] if step_offset is not None and not idle
+                           else torch.zeros_like(rows))
+                    kw["logits_processor"] = [_RowSampler(rows.to(device), ids.shape[1], sampling, off.to(device))]
                 # greedy selection after the row sampler's one-hot logits = the sampled token; the model's own
                 # generation config (temperature, top-k/p of a pretrained checkpoint) must not act a second time
                 gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
@@ -178,11 +184,11 @@ class _RowSampler(LogitsProcessor):
     (``gearlab.rollout.sampler.sample_rows``; the decode step is the number of tokens generated so far) and returns
     logits that are -inf everywhere else, so the greedy selection after it takes the drawn token."""
 
-    def __init__(self, seeds: Tensor, width: int, sampling: SamplingParams) -> None:
-        self.seeds, self.width, self.sp = seeds, width, sampling
+    def __init__(self, seeds: Tensor, width: int, sampling: SamplingParams, offsets: Tensor) -> None:
+        self.seeds, self.width, self.sp, self.offsets = seeds, width, sampling, offsets
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        step = torch.tensor(input_ids.shape[1] - self.width, dtype=torch.int64, device=scores.device)
+        step = self.offsets + (input_ids.shape[1] - self.width)  # [B]: each row's draw number
         tok, _ = sample_rows(scores, self.seeds, step, temperature=self.sp.temperature, top_k=self.sp.top_k,
                              top_p=self.sp.top_p)
         return torch.full_like(scores, float("-inf")).scatter_(1, tok[:, None], 0.0)

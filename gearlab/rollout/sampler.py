@@ -67,8 +67,8 @@ def narrow(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
 def sample_rows(logits: Tensor, seeds: Tensor, step: Tensor, *, temperature: float, top_k: int = 0,
                 top_p: float = 1.0, greedy: bool = False) -> tuple[Tensor, Tensor]:
     """Draw one token per row. logits [B, V] (any float dtype; computed in float32), seeds [B] int64, step: the
-    decode step (0-dim int64). Returns (tokens [B] int64, log-probs [B] float32 of those tokens under
-    log_softmax(logits / T))."""
+    draw number (0-dim int64, or [B] when rows continue responses from different points). Returns (tokens [B]
+    int64, log-probs [B] float32 of those tokens under log_softmax(logits / T))."""
     z = logits.float() / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     if greedy:

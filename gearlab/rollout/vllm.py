@@ -114,10 +114,11 @@ class VLLMGenerator:
 
     # -- the TokenGenerator protocol ------------------------------------------------------------
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingParams,
-               seed: int) -> tuple[Tensor, Tensor, Tensor]:
+               seed: int, step_offset: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Left-padded prompts [N, P] → (response ids [N, T] right-padded with pad, mask [N, T] bool, vLLM's
         log-probs of the sampled tokens [N, T] float32, 0 on padding). A response ends at and includes its
-        first stop token, as with HF ``generate``."""
+        first stop token, as with HF ``generate``. ``step_offset`` is accepted and has no effect: vLLM's own
+        per-request generator cannot start mid-stream, so a continuation is a fresh sample from the prefix."""
         self._ready(model)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
         rows, keep, seeds = self._tp_pool(rows, row_seeds(seed, len(rows)).tolist())

@@ -117,6 +117,15 @@ class Task(ABC):
             return 0.0
         return 1.0 if got == self.normalize_answer(problem.answer) else 0.0
 
+    def step_ends(self, completion: str) -> list[int]:
+        """Where the reasoning steps of ``completion`` end: increasing character offsets (exclusive), the last one
+        ``len(completion)``. Monte-Carlo values are estimated at these points (``gearlab.rollout.mc``). Default: each
+        line is a step, its newline included; blank lines belong to the step after them. A task with other steps
+        (turns, sentences, equations) overrides it."""
+        ends = [i + 1 for i, ch in enumerate(completion) if ch == "\n" and completion[i + 1:].strip()
+                and completion[:i].strip() and completion[i - 1] != "\n"] if completion else []
+        return [e for e in ends if e < len(completion)] + [len(completion)]
+
     def sourced_problems(self) -> list[tuple[str, Problem]]:
         """Every problem this task read from a data file, with where it came from (the file and its 1-based line or
         row, as the task's own load errors name it), in file order; load-time checks such as the prompt-length limit
