@@ -30,9 +30,9 @@ def continue_from(engine: Any, model: nn.Module, prompt_ids: Tensor, prompt_mask
 
     prompt_ids / prompt_mask [N, P] left-padded; response_ids / response_mask [N, T] right-padded (single-turn: the
     generated tokens); ``cuts[n]`` ≤ row n's response length (≤ ``sampling.max_new_tokens``); seeds [N] int64.
-    ``engine`` is a rollout engine (``HFRolloutEngine``: its ``sample_with_logprobs`` and tokenizer). Returns (ids [N, T'] = prefix ⊕ continuation,
-    right-padded, mask [N, T'] bool) — whole responses, as the engine would have returned them, each at most
-    ``sampling.max_new_tokens`` long and ending at its first stop token."""
+    ``engine`` is a rollout engine (``HFRolloutEngine``: its ``sample_with_logprobs`` and tokenizer).
+    Returns (ids [N, T'] = prefix ⊕ continuation, right-padded, mask [N, T'] bool) — whole responses, as the engine
+    would have returned them, each at most ``sampling.max_new_tokens`` long and ending at its first stop token."""
     n = prompt_ids.shape[0]
     if len(cuts) != n or seeds.shape != (n,):
         raise ValueError(f"continue_from: {n} rows, {len(cuts)} cuts, seeds of shape {tuple(seeds.shape)}")
