@@ -38,6 +38,7 @@ import torch
 from gearlab.config import Config
 from gearlab.core.metrics import sanitize_metric_key
 from gearlab.credit.scoring import credit_scores, prefix_masks, signal_auroc
+from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.spans import answer_positions, locate_errors
 from gearlab.tasks.registry import task_from_config
@@ -114,7 +115,8 @@ def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_
     rows = [p for p in problems for _ in range(G)]
     error, _ = locate_errors(task, tokenizer, rb, rows)
     res = run_assigners(rb, names, model=model, tokenizer=tokenizer, engine=engine, problems=problems, group_size=G,
-                        temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
+                        sampling=SamplingParams.of_rollout(cfg.rollout), temperature=cfg.rollout.temperature,
+                        chunk_size=cfg.signals.chunk_size,
                         micro_batch_size=cfg.algorithm.micro_batch_size, seed=cfg.trainer.seed, task=task)
     _, _, located = prefix_masks(rb.response_mask, error)
     record = {"task": cfg.task.name, "model": model_name, "n_trajectories": rb.batch_size,

@@ -32,6 +32,7 @@ from gearlab.credit.methods import available_methods, build_method, unknown_meth
 from gearlab.core.grpo import group_advantages
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.base import SamplingParams
+from gearlab.rollout.mc import PrefixResampler
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.provider import SignalProvider
 from gearlab.tasks.registry import task_from_config
@@ -50,13 +51,28 @@ def applicable_methods(task: Any, names: list[str] | None = None, key: str = "in
         if bad:
             raise ConfigError(f"key '{key}': unknown {bad}; known: {', '.join(available_methods())}")
         return list(names)
-    return [n for n in credit.available() if not credit.get(n).requires_turns or getattr(task, "multi_turn", False)]
+    return [n for n in credit.available() if _applies(n, task)]
+
+
+def _applies(name: str, task: Any) -> bool:
+    """Whether a registered method belongs in a default method list for ``task``: turn methods need a multi-turn
+    task, a method's ``setup`` may refuse a task (vineppo: single-turn only), and methods that sample extra rollouts
+    run only when named."""
+    cls = credit.get(name)
+    if cls.extra_rollouts or (cls.requires_turns and not getattr(task, "multi_turn", False)):
+        return False
+    try:
+        build_method(name).setup(seed=0, total_steps=1, task=task)
+    except ValueError:
+        return False
+    return True
 
 
 def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engine: HFRolloutEngine, problems,
-                  group_size: int,
+                  group_size: int, sampling: SamplingParams,
                   temperature: float, chunk_size: int, micro_batch_size: int, seed: int, task) -> dict[str, Any]:
-    """Credit of every assigner on the same batch (shared signal computations cached per teacher context)."""
+    """Credit of every assigner on the same batch (shared signal computations cached per teacher context).
+    ``sampling``: what the batch was drawn with; Monte-Carlo signals continue its responses with it."""
     seq_adv = group_advantages(rb.rewards, rb.group_ids)
     provider = SignalProvider(model, temperature=temperature, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
                               tokenizer=tokenizer)
@@ -73,7 +89,11 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
                              teacher_prompt_mask=tmask.repeat_interleave(group_size, 0))
         todo = frozenset(s for s in a.needs if (ctx, s) not in cache)
         if todo:
-            _, sig = provider.compute(batch, todo, with_logprobs=False, options={"seed": seed, **a.signal_options()})
+            rows = [p for p in problems for _ in range(group_size)]
+            resampler = PrefixResampler(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids,
+                                        rb.response_mask, sampling)
+            _, sig = provider.compute(batch, todo, with_logprobs=False, options={"seed": seed, **a.signal_options()},
+                                      resampler=resampler)
             cache.update({(ctx, s): v for s, v in sig.items()})
         res = a.assign(batch, seq_adv, {s: cache[(ctx, s)] for s in a.needs})
         adv = res.token_advantages.float()
@@ -98,10 +118,10 @@ def inspect(cfg: Config) -> dict[str, str]:
     G = cfg.rollout.group_size
     problems = task.problems("test", cfg.inspect.prompts, cfg.trainer.seed)
     engine = engine_from_config(tok, task, cfg, model=model)
-    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    sampling = SamplingParams.of_rollout(cfg.rollout)
     rb = engine.generate(model, problems, group_size=G, sampling=sampling, seed=cfg.trainer.seed)
     res = run_assigners(rb, names, model=model, tokenizer=tok, engine=engine, problems=problems, group_size=G,
+                        sampling=sampling,
                         temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                         micro_batch_size=cfg.algorithm.micro_batch_size, seed=cfg.trainer.seed, task=task)
     out = Path(cfg.inspect.out_dir)

@@ -107,8 +107,7 @@ def cached_rollouts(cfg: Config, model: Any, engine: Any, task: Any, path: Path 
     if path is not None and path.is_file():
         return load_rollouts(path)
     problems = task.problems("test", prompts, cfg.trainer.seed)
-    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    sampling = SamplingParams.of_rollout(cfg.rollout)
     was_training = model.training
     model.eval()
     try:
@@ -138,7 +137,8 @@ def replay(cfg: Config) -> dict[str, Any]:
     G = int(info["group_size"])
     names = applicable_methods(task, list(cfg.replay.assigners), "replay.assigners")
     res = run_assigners(rb, names, model=model, tokenizer=tok, engine=engine, problems=problems, group_size=G,
-                        temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
+                        sampling=SamplingParams.of_rollout(cfg.rollout), temperature=cfg.rollout.temperature,
+                        chunk_size=cfg.signals.chunk_size,
                         micro_batch_size=cfg.algorithm.micro_batch_size, seed=cfg.trainer.seed, task=task)
     stats = credit_stats(rb, res["seq_adv"], res["credit"], res["segments"])
     import mlflow

@@ -56,6 +56,9 @@ class CreditAssigner(ABC):
     requires_turns: ClassVar[bool] = False  # needs batch.turn_ids / turn_rewards (multi-turn tasks only)
     # a sequence with A_i = 0 gets 0 on every token (False for pure distillation)
     keeps_zero_groups: ClassVar[bool] = True
+    # samples extra rollouts (Monte-Carlo continuations): left out of inspect / credit-eval / replay's default method
+    # lists, which run every method on one batch (name it there to include it)
+    extra_rollouts: ClassVar[bool] = False
 
     # Teacher of the teacher signals: "live" = the current policy weights (default), "frozen" = a copy
     # re-synced every `teacher_sync_every` iterations (0 = never), "ema" = an exponential moving average

@@ -3,7 +3,7 @@ seeds, stop tokens and the prompt padding helpers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+
+    @classmethod
+    def of_rollout(cls, rollout: Any) -> "SamplingParams":
+        """The sampling settings of a config's ``rollout`` section (what a training rollout draws with)."""
+        return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+                   top_k=rollout.top_k)
 
 
 @dataclass

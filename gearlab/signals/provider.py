@@ -59,11 +59,12 @@ class SignalProvider:
             yield batch.select(torch.arange(s, min(s + self.micro_batch_size, batch.batch_size)))
 
     def compute(self, batch: RolloutBatch, needs: frozenset[Signal] | set[Signal], *, with_logprobs: bool = True,
-                teacher: nn.Module | None = None, options: dict[str,
-                Any] | None = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
+                teacher: nn.Module | None = None, options: dict[str, Any] | None = None,
+                resampler: Any = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
         """Returns (student log-probs/entropy or None, {signal: [B, T] float32}) for exactly ``needs``.
 
         Student and teacher passes run without gradient, micro-batched; values at masked positions are 0.
+        ``resampler``: for the Monte-Carlo signals (``gearlab.signals.mc``), what continues the batch's responses.
         """
         needs = frozenset(needs)
         extra = [s for s in needs if signal_name(s) not in PASS_SIGNALS]
@@ -80,7 +81,7 @@ class SignalProvider:
             except KeyError as e:
                 raise ValueError(str(e).strip('"')) from None
             ctx = SignalContext(self.model, self.tokenizer, batch, self.temperature, self.chunk_size,
-                                self.micro_batch_size, dict(options or {}))
+                                self.micro_batch_size, dict(options or {}), resampler)
             m = batch.response_mask.float()
             was_training = self.model.training
             self.model.eval()

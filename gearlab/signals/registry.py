@@ -59,6 +59,8 @@ class SignalContext:
     chunk_size: int
     micro_batch_size: int
     options: dict[str, Any] = field(default_factory=dict)
+    # continues the batch's responses from their prefixes (gearlab.signals.mc.Resampler): Monte-Carlo signals only
+    resampler: Any = None
 
 
 SignalFn = Callable[[SignalContext], Tensor]

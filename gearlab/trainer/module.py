@@ -153,6 +153,18 @@ class GRPOModule(L.LightningModule):
         self.teacher.load_state_dict(st.get("teacher"))
 
     # -- one RL iteration ---------------------------------------------------------------------
+    def _resampler(self, rb: RolloutBatch, problems: list) -> Any:
+        """What continues this batch's responses from their prefixes, when the assigner asks for a Monte-Carlo
+        signal (gearlab.signals.mc); else None."""
+        if "mc_step_advantage" not in {str(getattr(s, "value", s)) for s in self.assigner.needs}:
+            return None
+        from gearlab.rollout.mc import PrefixResampler
+
+        G = self.cfg.rollout.group_size
+        rows = [p for p in problems for _ in range(G)]
+        return PrefixResampler(self.engine, self.policy, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids,
+                               rb.response_mask, self.sampling)
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         it = batch["iteration"]
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -185,11 +197,13 @@ class GRPOModule(L.LightningModule):
         on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
         in_forward = self._entropy_in_forward(on_policy)
         ppass, signals = None, {}
+        resampler = None if in_forward else self._resampler(rb, batch["problems"])
         if not in_forward:
             ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy,
                                                   teacher=self.teacher.model,
-                                                  options={"seed": step_seed(cfg.trainer.seed, it),
-                                                  **self.assigner.signal_options()})
+                                                  options={"seed": step_seed(cfg.trainer.seed, it) + first_row,
+                                                  **self.assigner.signal_options()},
+                                                  resampler=resampler)
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)
         if self.ref_signals is not None:
@@ -218,6 +232,8 @@ class GRPOModule(L.LightningModule):
             upd.update(self.generator.stats())
         t3 = time.perf_counter()
         upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
+        if resampler is not None:  # what the Monte-Carlo continuations cost (continuations, tokens, seconds)
+            upd.update({f"mc/{k}": float(v) for k, v in resampler.cost.items()})
         if cfg.trainer.compile:  # graphs compiled so far by this process: still growing late in a run = recompiling
             from torch._dynamo.utils import counters
 

@@ -88,6 +88,22 @@ def test_credit_eval_scores_planted_errors(tmp_path, tokenizer, tiny_model_dir):
         "credit_eval/credit_eval.json", "credit_eval/credit_eval.md", "credit_eval/credit_eval.png"}
 
 
+def test_credit_eval_scores_vineppo_when_named(tmp_path, tokenizer, tiny_model_dir):
+    """Methods that sample extra rollouts run only when named; vineppo then continues the saved responses through
+    the engine and is scored on the same located errors as the others."""
+    from gearlab.commands.credit_eval import credit_eval, method_names
+    from gearlab.config import load_config
+
+    planted_rollouts(tokenizer, tmp_path / "r.pt")
+    base = [f"model.name_or_path={tiny_model_dir}", f"credit_eval.rollouts={tmp_path / 'r.pt'}",
+            f"credit_eval.out_dir={tmp_path / 'out'}", f"trainer.output_dir={tmp_path}"]
+    assert "vineppo" not in method_names(load_config(base), get_task("arith"))
+    rec = credit_eval(load_config([*base, "credit_eval.assigners=[grpo,vineppo]"]))
+    v = rec["assigners"]["vineppo"]
+    assert v["n"] == 2 and 0.0 <= v["auroc"] <= 1.0
+    assert rec["assigner_metrics"]["vineppo"]["vineppo/frac_nonzero"] > 0
+
+
 @pytest.mark.slow
 def test_credit_eval_unknown_method_is_one_line(tmp_path, tiny_model_dir):
     import subprocess

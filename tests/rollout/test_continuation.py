@@ -11,7 +11,8 @@ from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.continuation import continue_from
 from gearlab.rollout.fast import FastDecoder
 from gearlab.rollout.hf import HFRolloutEngine
-from gearlab.rollout.mc import mc_values, token_step_ends
+from gearlab.rollout.mc import mc_values
+from gearlab.signals.mc import broadcast_steps, token_step_ends
 from gearlab.tasks.base import Problem
 from gearlab.tasks.registry import get_task
 
@@ -98,7 +99,7 @@ def test_mc_values_match_the_exact_values_of_a_hand_made_task(tokenizer, tiny_mo
     checked = 0
     for n, sv in enumerate(values):
         toks = resp[n][rmask[n]].tolist()
-        assert sv.ends == token_step_ends(tokenizer, task, toks) and sv.ends[-1] == len(toks)
+        assert sv.ends == token_step_ends(tokenizer, task.step_ends, toks) and sv.ends[-1] == len(toks)
         assert sv.values[-1] == float(rewards[n]) and sv.stderr[-1] == 0.0
         prompt = ids[n][mask[n].bool()].tolist()
         for j, e in enumerate(sv.ends[:-1]):
@@ -109,5 +110,9 @@ def test_mc_values_match_the_exact_values_of_a_hand_made_task(tokenizer, tiny_mo
             assert 0.01 < sv.stderr[j] < 0.05
             checked += 1
     assert checked >= 2
-    assert cost.continuations == 300 * sum(len(sv.ends) for sv in values)
+    assert cost["continuations"] == 300 * sum(len(sv.ends) for sv in values) and cost["tokens"] > 0
     assert len(values[0].advantages) == len(values[0].ends) and 0 <= values[0].onset < len(values[0].ends)
+    per_token = broadcast_steps(values, rmask)  # every token is a step here: A_j lands on token j
+    for n, sv in enumerate(values):
+        assert per_token[n][rmask[n]].tolist() == pytest.approx(sv.advantages)
+        assert not per_token[n][~rmask[n]].any()
