@@ -291,6 +291,11 @@ class CreditEvalConfig:
     out_dir: str = "credit_eval"
     # train / compare: after the last iteration, score the final model's rollouts and log credit_eval/ to the run
     after_training: bool = False
+    # what the credit is scored against: located (the task's located first error) | mc (Monte-Carlo step values from
+    # continuations of every response: any task with a verifier) | both
+    truth: str = "located"
+    mc_k: int = 8  # truth=mc: continuations per step end
+    mc_max_steps: int = 8  # truth=mc: steps per response at most (later steps merge into the last)
 
 
 @dataclass
@@ -465,6 +470,7 @@ _CHOICES = {
     "trainer.reward_errors": ("zero", "raise"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "rollout.engine": ("auto", "hf", "fast", "vllm"),
+    "credit_eval.truth": ("located", "mc", "both"),
     "rollout.fast.cuda_graphs": ("auto", "on", "off"),
     "rollout.fast.sharded_weights": ("gather", "replica"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
@@ -524,6 +530,9 @@ def validate(cfg: Config) -> None:
             "key 'rollout.vllm.gpu_memory_utilization': must be in (0, 1], got "
             f"{cfg.rollout.vllm.gpu_memory_utilization}"
         )
+    if cfg.credit_eval.mc_k < 2 or cfg.credit_eval.mc_max_steps < 1:
+        raise ConfigError("key 'credit_eval.mc_k' / 'credit_eval.mc_max_steps': need mc_k >= 2 (a standard error) and "
+                          f"mc_max_steps >= 1, got {cfg.credit_eval.mc_k} and {cfg.credit_eval.mc_max_steps}")
     if cfg.rollout.vllm.sleep_level not in (0, 1, 2):
         raise ConfigError(
             f"key 'rollout.vllm.sleep_level': must be 0 (auto), 1 or 2, got {cfg.rollout.vllm.sleep_level}"

@@ -125,6 +125,14 @@ def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_
               **score_batch(rb, names, res, error),
               "reasoning_errors": reasoning_error_scores(rb, names, res, error, tokenizer),
               "assigner_metrics": res["metrics"]}  # each method's own diagnostics on this batch (e.g. gear_clip_frac)
+    if cfg.credit_eval.truth in ("mc", "both"):
+        from gearlab.commands.credit_eval_mc import mc_truth
+
+        ce = cfg.credit_eval
+        record["mc"] = mc_truth(rb, rows, names, res, engine=engine, model=model,
+                                sampling=SamplingParams.of_rollout(cfg.rollout), k=ce.mc_k, max_steps=ce.mc_max_steps,
+                                seed=cfg.trainer.seed, located=error if bool(located.any()) else None,
+                                score_batch=score_batch)
     out = Path(out_dir or cfg.credit_eval.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "credit_eval.json").write_text(json.dumps(record, indent=2, default=_json_nan))
@@ -192,6 +200,10 @@ def markdown(record: dict[str, Any]) -> str:
                          f"{_num(s.get('onset_precision'))} | {_num(s.get('onset_recall'))} | {s.get('n', 0)} |")
         for name, s in early["signals"].items():
             lines.append(f"| signal: {name} | {_num(s.get('auroc'))} | | | | | {s.get('n', 0)} |")
+    if record.get("mc"):
+        from gearlab.commands.credit_eval_mc import markdown as mc_markdown
+
+        lines += ["", mc_markdown(record["mc"], _num)]
     clip = {n: m["gear_clip_frac"] for n, m in (record.get("assigner_metrics") or {}).items() if "gear_clip_frac" in m}
     if clip:
         lines.append(

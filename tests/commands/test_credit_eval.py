@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,3 +175,33 @@ def test_reasoning_errors_leave_out_wrong_final_answers(tokenizer):
     assert full["assigners"]["grpo"]["n"] == 3 and full["assigners"]["answer"]["auroc"] > 0.5
     assert early["n_located"] == 2 and early["n_located_informative"] == 2
     assert early["assigners"]["grpo"]["n"] == 2 and early["assigners"]["answer"]["auroc"] == 0.5  # row 4 left out
+
+
+def test_spearman_with_ties_and_constant_credit():
+    from gearlab.commands.credit_eval_mc import _spearman
+
+    assert _spearman(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([10.0, 20.0, 30.0, 40.0])) == pytest.approx(1.0)
+    assert _spearman(torch.tensor([1.0, 2.0, 2.0]), torch.tensor([3.0, 2.0, 2.0])) == pytest.approx(-1.0)
+    # a method whose credit is one value per response (GRPO) ranks nothing: NaN, not a rounding artefact
+    assert math.isnan(_spearman(torch.tensor([0.3, 0.3 + 1e-9, 0.3]), torch.tensor([1.0, -1.0, 0.0])))
+
+
+@pytest.mark.slow
+def test_gearlab_credit_eval_against_monte_carlo_onsets(tmp_path):
+    """`gearlab credit-eval credit_eval.truth=both` on the embedded task (CPU, about a minute at the defaults): every
+    response continued from each step end, the methods scored against the MC onsets, and the MC onset checked
+    against the located first error."""
+    r = subprocess.run([sys.executable, "-m", "gearlab.cli", "credit-eval", "credit_eval.truth=both",
+                        "credit_eval.prompts=16", "credit_eval.mc_k=4", "credit_eval.assigners=[grpo,gear,oar_p]",
+                        "credit_eval.controls=false", f"trainer.output_dir={tmp_path}",
+                        f"credit_eval.out_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "credit_eval.json").read_text())
+    mc = rec["mc"]
+    assert mc["k"] == 4 and mc["n_failed"] == rec["n_failed"] and 0 < mc["n_with_onset"] <= mc["n_failed"]
+    assert set(mc["assigners"]) == {"grpo", "gear", "oar_p"} and mc["assigners"]["grpo"]["auroc"] == 0.5
+    assert mc["rank_corr"]["grpo"]["n"] == 0  # constant within a response
+    assert mc["cost"]["continuations"] % 4 == 0 and mc["cost"]["tokens"] > 0
+    assert mc["agreement"]["n"] > 0 and 0.5 < mc["agreement"]["onset_holds_first_error"] <= 1.0
+    assert "credit vs Monte-Carlo onsets" in (tmp_path / "out" / "credit_eval.md").read_text()
