@@ -85,6 +85,27 @@ def rank_correlations(values: Sequence[StepValues], credit: dict[str, Tensor], r
     return out
 
 
+def kl_peak_offsets(values: Sequence[StepValues], kl: Tensor, onset: Tensor, response_mask: Tensor
+                    ) -> dict[str, Any]:
+    """GEAR's premise against the MC onset: in each response with an onset, the step holding the largest teacher KL
+    minus the onset step. Returns the histogram of offsets (clipped to ±3), the share of KL peaks inside the onset
+    step, and the chance rate of that share (the mean of 1 / steps: a peak on a uniformly random step)."""
+    offsets: list[int] = []
+    chance: list[float] = []
+    for b, sv in enumerate(values):
+        if not bool(onset[b].any()):
+            continue
+        row = kl[b][response_mask[b]].float().cpu()
+        peak = int(row.argmax())
+        step = next(j for j, e in enumerate(sv.ends) if peak < e)
+        offsets.append(step - sv.onset)
+        chance.append(1.0 / len(sv.ends))
+    n = len(offsets)
+    hist = {str(d): sum(1 for o in offsets if max(-3, min(3, o)) == d) for d in range(-3, 4)}
+    return {"n": n, "offset_hist": hist, "share_in_onset_step": hist["0"] / n if n else math.nan,
+            "chance": sum(chance) / n if n else math.nan}
+
+
 def mc_truth(rb: Any, rows: Sequence[Any], names: list[str], res: dict[str, Any], *, engine: Any, model: Any,
              sampling: SamplingParams, k: int, max_steps: int, seed: int, located: Tensor | None,
              score_batch: Any) -> dict[str, Any]:
@@ -101,6 +122,8 @@ def mc_truth(rb: Any, rows: Sequence[Any], names: list[str], res: dict[str, Any]
                            **score_batch(rb, names, res, onset),
                            "rank_corr": rank_correlations(values, res["credit"], rb.response_mask),
                            "cost": cost}
+    if "kl" in res["signals"]:
+        rec["kl_peak"] = kl_peak_offsets(values, res["signals"]["kl"], onset, rb.response_mask)
     if located is not None:
         first = located.bool() & (located.long().cumsum(dim=1) == 1)
         both = has & located.any(dim=1)
@@ -114,14 +137,21 @@ def markdown(mc: dict[str, Any], fmt: Any) -> str:
     """The MC table (``fmt``: credit_eval's number format)."""
     lines = [f"credit vs Monte-Carlo onsets — K = {mc['k']} continuations per step end, {mc['n_failed']} failed, "
              f"{mc['n_with_onset']} with an onset (a drop > 2 SE), {mc['n_onset_informative']} of them with A ≠ 0",
-             "", "| method | AUROC | blame ratio | prefix share | rank corr. with A_MC (n) | n |",
-             "|---|---|---|---|---|---|"]
+             "", "| method | AUROC | blame ratio | prefix share | onset P | onset R | rank corr. with A_MC (n) | n |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, s in mc["assigners"].items():
         rc = mc["rank_corr"].get(name, {})
         lines.append(f"| {name} | {fmt(s.get('auroc'))} | {fmt(s.get('blame_ratio'))} | {fmt(s.get('prefix_share'))} | "
+                     f"{fmt(s.get('onset_precision'))} | {fmt(s.get('onset_recall'))} | "
                      f"{fmt(rc.get('rank_corr'))} ({rc.get('n', 0)}) | {s.get('n', 0)} |")
     for name, s in mc["signals"].items():
-        lines.append(f"| signal: {name} | {fmt(s.get('auroc'))} | | | | {s.get('n', 0)} |")
+        lines.append(f"| signal: {name} | {fmt(s.get('auroc'))} | | | | | | {s.get('n', 0)} |")
+    if "kl_peak" in mc and mc["kl_peak"]["n"]:
+        k = mc["kl_peak"]
+        hist = ", ".join(f"{d}: {c}" for d, c in k["offset_hist"].items())
+        lines.append(f"\nTeacher-KL peak vs MC onset ({k['n']} responses): the peak lies in the onset step in "
+                     f"{fmt(k['share_in_onset_step'])} of them (chance {fmt(k['chance'])}); offsets in steps, ±3 = "
+                     f"3 or more: {hist}.")
     if "agreement" in mc:
         a = mc["agreement"]
         lines.append(f"\nMC onset vs located first error: the onset step holds the first wrong token in "

@@ -204,4 +204,7 @@ def test_gearlab_credit_eval_against_monte_carlo_onsets(tmp_path):
     assert mc["rank_corr"]["grpo"]["n"] == 0  # constant within a response
     assert mc["cost"]["continuations"] % 4 == 0 and mc["cost"]["tokens"] > 0
     assert mc["agreement"]["n"] > 0 and 0.5 < mc["agreement"]["onset_holds_first_error"] <= 1.0
+    kp = mc["kl_peak"]  # gear asked for the teacher KL: where its peak lies against the MC onset
+    assert kp["n"] == mc["n_with_onset"] and sum(kp["offset_hist"].values()) == kp["n"]
+    assert 0 <= kp["share_in_onset_step"] <= 1 and 0 < kp["chance"] <= 1
     assert "credit vs Monte-Carlo onsets" in (tmp_path / "out" / "credit_eval.md").read_text()
