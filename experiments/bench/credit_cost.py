@@ -36,6 +36,7 @@ from gearlab.core.grpo import group_advantages, policy_loss  # noqa: E402
 from gearlab.credit.methods import build_method  # noqa: E402
 from gearlab.core.logprobs import response_hidden, token_logprobs  # noqa: E402
 from gearlab.signals.provider import SignalProvider  # noqa: E402
+from gearlab.signals.registry import signal_name  # noqa: E402
 
 
 def sync(dev: torch.device) -> None:
@@ -112,15 +113,20 @@ def cpu_setup(args):
     task = get_task("arith")
     problems = task.problems("test", 16, 0)
     engine = HFRolloutEngine(tok, task)
-    rb = engine.generate(
-        model, problems, group_size=8, sampling=SamplingParams(max_new_tokens=48), seed=0, with_teacher="answer"
-    )
+    sp = SamplingParams(max_new_tokens=48)
+    rb = engine.generate(model, problems, group_size=8, sampling=sp, seed=0, with_teacher="answer")
+    from gearlab.rollout.mc import PrefixResampler
+
+    rows = [q for q in problems for _ in range(8)]
     return model, tok, rb, dict(
         micro=16,
         chunk=256,
         repeats=3,
         pairs=5,
-        desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32"
+        desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32",
+        # Monte-Carlo methods (vineppo) continue these rollouts through the same engine
+        resampler=lambda: PrefixResampler(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids,
+                                          rb.response_mask, sp),
     )
 
 
@@ -222,13 +228,17 @@ def main() -> None:
                          "note": "assign timed on a synthetic multi-turn batch of the same B×T"})
             print(json.dumps(rows[-1]), flush=True)
             continue
+        if a.extra_rollouts and "resampler" not in p:  # a synthetic batch has no task to continue it with
+            print(json.dumps({"assigner": name, "skipped": "samples continuations: real rollouts only (--preset cpu)"}))
+            continue
         a.setup(seed=0, total_steps=100, task=None)
         opts = {"seed": 0, **a.signal_options()}
+        kw = {"resampler": p["resampler"]()} if a.extra_rollouts else {}
         sig_s, (_, sig) = timed(
-            lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts), dev, p["repeats"]
+            lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts, **kw), dev, p["repeats"]
         )
         asg_s, _ = timed(lambda: a.assign(rb, adv, sig), dev, p["repeats"])
-        peak = peak_of(lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts))
+        peak = peak_of(lambda: provider.compute(rb, a.needs, with_logprobs=True, options=opts, **kw))
         extra_off = sig_s + asg_s - old_s
         in_fwd = {}
         if set(a.needs) == {credit.Signal.ENTROPY} and a.chunk_local(p["micro"]):
@@ -240,7 +250,7 @@ def main() -> None:
                       "extra_vs_grpo_onpolicy_in_forward": pair["extra_median"],
                       "extra_in_forward_range": [pair["extra_min"], pair["extra_max"]], "pairs": pair["pairs"]}
         rows.append({
-            "assigner": name, "needs": sorted(s.value for s in a.needs),
+            "assigner": name, "needs": sorted(signal_name(s) for s in a.needs),
             "signal_pass_s": round(sig_s, 4), "assign_s": round(asg_s, 4),
             "extra_vs_grpo_offpolicy": round(extra_off / (old_s + upd_s), 4),
             "extra_vs_grpo_onpolicy": round((sig_s + asg_s) / upd_s, 4) if a.needs else round(asg_s / upd_s, 4),
