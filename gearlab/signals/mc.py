@@ -79,9 +79,12 @@ def token_step_ends(tokenizer: Any, step_ends: Callable[[str], list[int]], ids: 
     return [*ends, len(ids)]
 
 
-def step_values(resampler: Resampler, rewards: Tensor, *, k: int, max_steps: int, seed: int) -> list[StepValues]:
-    """Monte-Carlo step values of every row of a batch (``rewards`` [N]: the responses' own). Continuation c of
-    point p (row-major: each row's prompt, then its interior step ends) draws with seed ``seed + p·k + c``."""
+def step_values(resampler: Resampler, rewards: Tensor, *, k: int, max_steps: int, seed: int,
+                first_row: int = 0) -> list[StepValues]:
+    """Monte-Carlo step values of every row of a batch (``rewards`` [N]: the responses' own). Continuation c from
+    point i of row n (i = 0: the prompt, then the interior step ends) draws with seed
+    ``seed + ((first_row + n)·max_steps + i)·k + c``: a function of the global row (``first_row``: the global index
+    of this batch's row 0), so a row's continuations do not depend on the rows beside it or on the rank."""
     if k < 2 or max_steps < 1:
         raise ValueError(f"Monte-Carlo values need k >= 2 and max_steps >= 1 (got k={k}, max_steps={max_steps})")
     steps: list[list[int]] = []
@@ -94,7 +97,10 @@ def step_values(resampler: Resampler, rewards: Tensor, *, k: int, max_steps: int
         points += [(n, 0)] + [(n, e) for e in ends[:-1]]
     rows = [n for n, _ in points for _ in range(k)]
     cuts = [c for _, c in points for _ in range(k)]
-    r = resampler.rewards(rows, cuts, torch.arange(len(rows), dtype=torch.long) + seed).float().view(len(points), k)
+    index = [i for n, ends in enumerate(steps) for i in range(len(ends))]  # each point's index within its row
+    base = torch.tensor([((first_row + n) * max_steps + i) * k for (n, _), i in zip(points, index)], dtype=torch.long)
+    seeds = (base[:, None] + torch.arange(k, dtype=torch.long)).flatten() + seed
+    r = resampler.rewards(rows, cuts, seeds).float().view(len(points), k)
     mean, se = r.mean(1), r.std(1, unbiased=True) / math.sqrt(k)
     out: list[StepValues] = []
     p = 0
@@ -128,5 +134,6 @@ def mc_step_advantage(ctx: SignalContext) -> Tensor:
                          "(gearlab.rollout.mc.PrefixResampler), which this caller did not give")
     o = ctx.options
     values = step_values(ctx.resampler, ctx.batch.rewards.detach().cpu(), k=int(o.get("mc_k", 8)),
-                         max_steps=int(o.get("mc_max_steps", 8)), seed=int(o.get("seed", 0)) + (1 << 40))
+                         max_steps=int(o.get("mc_max_steps", 8)), seed=int(o.get("seed", 0)) + (1 << 40),
+                         first_row=int(o.get("first_row", 0)))
     return broadcast_steps(values, ctx.batch.response_mask)

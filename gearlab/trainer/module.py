@@ -201,8 +201,8 @@ class GRPOModule(L.LightningModule):
         if not in_forward:
             ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy,
                                                   teacher=self.teacher.model,
-                                                  options={"seed": step_seed(cfg.trainer.seed, it) + first_row,
-                                                  **self.assigner.signal_options()},
+                                                  options={"seed": step_seed(cfg.trainer.seed, it),
+                                                           "first_row": first_row, **self.assigner.signal_options()},
                                                   resampler=resampler)
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)

@@ -116,3 +116,31 @@ def test_mc_values_match_the_exact_values_of_a_hand_made_task(tokenizer, tiny_mo
     for n, sv in enumerate(values):
         assert per_token[n][rmask[n]].tolist() == pytest.approx(sv.advantages)
         assert not per_token[n][~rmask[n]].any()
+
+
+class _SeedResampler:
+    """Rewards that are a function of the seed alone: what matters is which seeds each row's points draw."""
+
+    def __init__(self, ends):
+        self.ends, self.calls = ends, []
+
+    def step_ends(self, row):
+        return self.ends[row]
+
+    def rewards(self, rows, cuts, seeds):
+        self.calls.append((list(rows), list(cuts), seeds.tolist()))
+        return (seeds * 2654435761 % 97 < 40).float()
+
+
+def test_a_rows_continuations_depend_on_its_global_row_not_its_neighbours():
+    from gearlab.signals.mc import step_values
+
+    ends = [[3, 5, 9], [2, 7], [4]]
+    both = step_values(_SeedResampler(ends), torch.tensor([0.0, 1.0, 0.0]), k=4, max_steps=8, seed=100)
+    alone = step_values(_SeedResampler(ends[1:2]), torch.tensor([1.0]), k=4, max_steps=8, seed=100, first_row=1)
+    assert alone[0] == both[1]  # row 1 alone on a "rank" whose first global row is 1: the same draws
+    rs = _SeedResampler(ends)
+    step_values(rs, torch.tensor([0.0, 1.0, 0.0]), k=4, max_steps=8, seed=100)
+    seeds = rs.calls[0][2]
+    assert len(seeds) == len(set(seeds)) == 4 * (3 + 2 + 1)  # every continuation its own seed
+    assert rs.calls[0][1][:12] == [0] * 4 + [3] * 4 + [5] * 4  # row 0: the prompt, then its interior step ends
