@@ -232,8 +232,10 @@ class GRPOModule(L.LightningModule):
             upd.update(self.generator.stats())
         t3 = time.perf_counter()
         upd.update({"time_rollout_s": t1 - t0, "time_signals_credit_s": t2 - t1, "time_update_s": t3 - t2})
-        if resampler is not None:  # what the Monte-Carlo continuations cost (continuations, tokens, seconds)
-            upd.update({f"mc/{k}": float(v) for k, v in resampler.cost.items()})
+        if resampler is not None:  # what the Monte-Carlo continuations cost, summed over ranks (seconds: compute)
+            keys = sorted(resampler.cost)
+            total = all_reduce_sum(torch.tensor([float(resampler.cost[k]) for k in keys], device=self.device)).cpu()
+            upd.update({f"mc/{k}": float(v) for k, v in zip(keys, total)})
         if cfg.trainer.compile:  # graphs compiled so far by this process: still growing late in a run = recompiling
             from torch._dynamo.utils import counters
 

@@ -81,10 +81,6 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
         assigner.setup(seed=cfg.trainer.seed, total_steps=cfg.trainer.max_steps, task=task)
     except ValueError as e:
         raise ConfigError(f"assigner {cfg.assigner.name!r} on task {cfg.task.name!r}: {e}") from None
-    if "mc_step_advantage" in {str(getattr(s, "value", s)) for s in assigner.needs} and \
-            cfg.trainer.devices * cfg.trainer.num_nodes > 1:
-        raise ConfigError(f"key 'trainer.devices': assigner {cfg.assigner.name!r} samples Monte-Carlo continuations, "
-                          "which run on one process for now")
     return task, assigner
 
 

@@ -1,6 +1,6 @@
 """vineppo (docs/credit/vineppo.md): each step's tokens get V_j − V_{j−1}, the Monte-Carlo value change of the step,
-ignoring the group baseline; it trains through `gearlab train` on one process with the cost of its continuations
-logged, and refuses what it cannot do in one line."""
+ignoring the group baseline; it trains through `gearlab train` with the cost of its continuations logged (2 processes
+give the run of 1: tests/parallel/test_world_size.py), and refuses what it cannot do in one line."""
 import subprocess
 import sys
 
@@ -42,8 +42,7 @@ def test_gearlab_train_with_vineppo_logs_the_continuations_it_paid_for(tmp_path,
     assert sorted(x.step for x in client.get_metric_history(run_id, "mc/continuations")) == [0, 1]
 
 
-@pytest.mark.parametrize("override,msg", [("trainer.devices=2", "on one process for now"),
-                                          ("task=tool_arith", "continues single-turn responses")])
+@pytest.mark.parametrize("override,msg", [("task=tool_arith", "continues single-turn responses")])
 def test_what_vineppo_cannot_do_is_one_line_before_any_work(tmp_path, override, msg):
     r = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", "assigner=vineppo", override,
                         "trainer.accelerator=cpu", f"trainer.output_dir={tmp_path}"], capture_output=True, text=True,

@@ -6,7 +6,8 @@ batch, the per-row seeds and the global statistics, two different runs: 0.2 in n
 ratio is bounded more loosely (1e-2; measured 3e-4 to 2.5e-3): Adam divides each gradient by its own magnitude, so the
 few elements whose gradient is near 0 (2 or 3 in a million here) turn float rounding into visible steps. Each setting
 combines options whose world-size dependence was found in review: the mini-batch partition, std_scope=batch, the
-Dr.GRPO normaliser, ppo_epochs > 1 and assigners with a teacher pass (gear, rlsd).
+Dr.GRPO normaliser, ppo_epochs > 1, assigners with a teacher pass (gear, rlsd) and one that samples Monte-Carlo
+continuations of every response (vineppo: seeded by the global row).
 """
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ SETTINGS = {
     "token-mean/2-epochs/gear": ["algorithm.agg=token-mean", "algorithm.ppo_epochs=2", "assigner=gear"],
     "seq-mean-token-mean/rlsd/2-minibatches": ["algorithm.agg=seq-mean-token-mean", "assigner=rlsd",
                                                "algorithm.mini_batches=2", "algorithm.micro_batch_size=4"],
+    "token-mean/vineppo": ["algorithm.agg=token-mean", "assigner=vineppo", "assigner.options.k=4",
+                           "assigner.options.max_steps=4"],
     "seq-mean-token-sum/gear-batch-scale": ["algorithm.agg=seq-mean-token-sum", "assigner=gear",
                                             "assigner.options.scale=batch", "assigner.options.normalisation=batch"],
 }
 LOGGED = ("train/reward", "train/accuracy", "train/frac_zero_std", "train/response_len", "train/adv_abs_mean",
-          "update/pg_loss", "update/clipfrac", "credit/adv_abs_mean", "credit/abs_up_frac")
+          "update/pg_loss", "update/clipfrac", "credit/adv_abs_mean", "credit/abs_up_frac",
+          "mc/continuations", "mc/tokens")  # (mc/: vineppo's continuations, summed over ranks)
 
 
 def _train(out, devices: int, extra: list[str], prompts: int = 8) -> None:
