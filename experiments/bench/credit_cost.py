@@ -117,7 +117,6 @@ def cpu_setup(args):
     rb = engine.generate(model, problems, group_size=8, sampling=sp, seed=0, with_teacher="answer")
     from gearlab.rollout.mc import PrefixResampler
 
-    rows = [q for q in problems for _ in range(8)]
     return model, tok, rb, dict(
         micro=16,
         chunk=256,
@@ -125,8 +124,7 @@ def cpu_setup(args):
         pairs=5,
         desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32",
         # Monte-Carlo methods (vineppo) continue these rollouts through the same engine
-        resampler=lambda: PrefixResampler(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids,
-                                          rb.response_mask, sp),
+        resampler=lambda: PrefixResampler.of_groups(engine, model, rb, problems, 8, sp),
     )
 
 

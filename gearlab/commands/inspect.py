@@ -33,6 +33,7 @@ from gearlab.core.grpo import group_advantages
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.mc import PrefixResampler
+from gearlab.signals.mc import needs_resampler
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.provider import SignalProvider
 from gearlab.tasks.registry import task_from_config
@@ -89,9 +90,8 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
                              teacher_prompt_mask=tmask.repeat_interleave(group_size, 0))
         todo = frozenset(s for s in a.needs if (ctx, s) not in cache)
         if todo:
-            rows = [p for p in problems for _ in range(group_size)]
-            resampler = PrefixResampler(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids,
-                                        rb.response_mask, sampling)
+            resampler = (PrefixResampler.of_groups(engine, model, rb, problems, group_size, sampling)
+                         if needs_resampler(todo) else None)
             _, sig = provider.compute(batch, todo, with_logprobs=False, options={"seed": seed, **a.signal_options()},
                                       resampler=resampler)
             cache.update({(ctx, s): v for s, v in sig.items()})

@@ -35,6 +35,14 @@ class PrefixResampler:
     sampling: SamplingParams
     cost: dict[str, float] = field(default_factory=lambda: {"continuations": 0, "tokens": 0, "seconds": 0.0})
 
+    @classmethod
+    def of_groups(cls, engine: Any, model: nn.Module, rb: Any, problems: Sequence[Problem], group_size: int,
+                  sampling: SamplingParams) -> "PrefixResampler":
+        """The resampler of a rollout batch ``rb`` of ``group_size`` responses per problem (``problems``: one per
+        group, in row order)."""
+        rows = [p for p in problems for _ in range(group_size)]
+        return cls(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask, sampling)
+
     def step_ends(self, row: int) -> list[int]:
         ids = self.response_ids[row][self.response_mask[row].bool()].tolist()
         return token_step_ends(self.engine.tok, self.engine.task.step_ends, ids)

@@ -23,6 +23,7 @@ from gearlab.core import grpo
 from gearlab.core.batch import RolloutBatch
 from gearlab.config import Config
 from gearlab.credit import CreditAssigner, CreditOutput, Signal
+from gearlab.signals.mc import needs_resampler
 from gearlab.credit.diagnostics import credit_diagnostics
 from gearlab.parallel.distributed import (all_reduce_sum, gather_rows, gathered_for_generation, global_max_int,
                                           is_fsdp1)
@@ -156,14 +157,12 @@ class GRPOModule(L.LightningModule):
     def _resampler(self, rb: RolloutBatch, problems: list) -> Any:
         """What continues this batch's responses from their prefixes, when the assigner asks for a Monte-Carlo
         signal (gearlab.signals.mc); else None."""
-        if "mc_step_advantage" not in {str(getattr(s, "value", s)) for s in self.assigner.needs}:
+        if not needs_resampler(self.assigner.needs):
             return None
         from gearlab.rollout.mc import PrefixResampler
 
-        G = self.cfg.rollout.group_size
-        rows = [p for p in problems for _ in range(G)]
-        return PrefixResampler(self.engine, self.policy, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids,
-                               rb.response_mask, self.sampling)
+        return PrefixResampler.of_groups(self.engine, self.policy, rb, problems, self.cfg.rollout.group_size,
+                                         self.sampling)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         it = batch["iteration"]
