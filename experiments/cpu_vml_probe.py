@@ -7,7 +7,7 @@ forms and prints one JSON line: form -> SHA-256 of the float32 outputs. Each env
 process (``--variant``, below). Run it on two machines with the same torch; ``--dump`` also saves the raw outputs of
 ``sqrt`` and ``exp`` to find the differing elements.
 
-    python experiments/cpu_vml_probe.py [--dump DIR]
+    python experiments/cpu_vml_probe.py [--dump DIR] [--cbwr SSE4_2 --cbwr AVX2,STRICT ...]
 """
 from __future__ import annotations
 
@@ -62,14 +62,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant")
     ap.add_argument("--dump", type=Path)
+    ap.add_argument("--cbwr", action="append", default=[], help="also run with MKL_CBWR=VALUE (repeatable)")
     a = ap.parse_args()
+    variants = dict(VARIANTS, **{f"cbwr={c}": {"MKL_CBWR": c} for c in a.cbwr})
     if a.variant:
-        os.environ.update(VARIANTS[a.variant])
+        os.environ.update(variants[a.variant])
         print(json.dumps(probe(a.dump if a.variant == "pinned" else None)))
         return
     res = {}
-    for v in VARIANTS:
-        args = [sys.executable, __file__, "--variant", v] + (["--dump", str(a.dump)] if a.dump else [])
+    for v in variants:
+        args = [sys.executable, __file__, "--variant", v, *[f"--cbwr={c}" for c in a.cbwr]]
+        args += ["--dump", str(a.dump)] if a.dump else []
         res[v] = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
     import platform
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()

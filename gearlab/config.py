@@ -50,8 +50,9 @@ class VLLMConfig:
     weight_sync: str = "auto"
     bucket_mb: float = 512  # inplace sync: parameters are sent in buckets of at most this many MB
     sleep: str = "auto"  # auto (on with CUDA) | on | off: free the engine's GPU memory during the update (sleep/wake)
-    # vLLM sleep level: 1 offloads the weights to CPU and drops the KV cache; 2 drops both (buffers are kept);
-    # 0 = auto: 2 while weights sync in place (they are rewritten after every wake anyway), else 1
+    # vLLM sleep level: 1 offloads the weights to CPU and drops the KV cache; 2 drops both, and with them buffers
+    # no checkpoint holds (the rotary cos/sin cache), so only a rebuild restores it; 0 = auto: 1 while weights sync
+    # in place, 2 with weight_sync=reload (the engine is rebuilt after each wake)
     sleep_level: int = 0
     gpu_memory_utilization: float = 0.3  # share of each GPU the engine may take (weights + KV cache)
     tensor_parallel_size: int = 1  # >1: the engine spans this many of a node's training processes
@@ -536,6 +537,11 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.vllm.sleep_level not in (0, 1, 2):
         raise ConfigError(
             f"key 'rollout.vllm.sleep_level': must be 0 (auto), 1 or 2, got {cfg.rollout.vllm.sleep_level}"
+        )
+    if cfg.rollout.vllm.sleep_level == 2 and cfg.rollout.vllm.weight_sync != "reload":
+        raise ConfigError(
+            "key 'rollout.vllm.sleep_level': 2 needs rollout.vllm.weight_sync=reload — level 2 drops the rotary "
+            "cos/sin cache, which an in-place weight sync does not restore (the engine would sample from garbage)"
         )
     if cfg.trainer.no_signal_patience < 0:
         raise ConfigError(

@@ -5,7 +5,7 @@
 # count changes no digit, only the wall time) and, beside it, the op trace of gear-s0's first 12 iterations
 # (experiments/cpu_op_trace.py). Writes under $OUT: compare.txt (the printout), children.txt (each run's final
 # weights digest, avg@4 and greedy accuracy), gear_iterations.txt and gear_ops.txt.gz.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+. experiments/gpu/site.sh
 export CUDA_VISIBLE_DEVICES=
 lscpu | grep "Model name"
 (timeout 500 python3 experiments/cpu_op_trace.py /tmp/trG assigner=gear trainer.max_steps=12 > $OUT/trG.log 2>&1; cp /tmp/trG/iterations.txt $OUT/gear_iterations.txt; cp /tmp/trG/ops.txt.gz $OUT/gear_ops.txt.gz) &

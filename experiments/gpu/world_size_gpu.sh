@@ -5,8 +5,7 @@
 # C = A with rollout.batch_size=16: each generate call then holds the same 16 rows on 1 GPU (two calls) as on each of
 # 2 GPUs (one call), so batch-shape-dependent GPU kernels see the same shapes.
 # Prints, per setting, ||w(2) - w(1)|| / ||w(1) - w(start)|| and the max-element ratio; writes $OUT/world_size.json.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+. experiments/gpu/site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 common="trainer.accelerator=gpu trainer.precision=32-true rollout.prompts_per_step=8 rollout.group_size=4 trainer.max_steps=2 eval.num_problems=0 trainer.progress_bar=false optim.lr=1e-3 trainer.run_name=ws rollout.engine=${ENGINE:-auto}"
 rm -rf /tmp/A-1 /tmp/A-2 /tmp/B-1 /tmp/B-2 /tmp/C-1 /tmp/C-2

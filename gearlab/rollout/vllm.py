@@ -151,7 +151,9 @@ class VLLMGenerator:
         """Rollout done: on GPUs with sleep on, free the engine's memory for the update."""
         if self.llm is not None and self._sleep_on() and not self.asleep:
             t = time.perf_counter()
-            level = self.sleep_level or (2 if self.path == "inplace" else 1)
+            # auto: 1 while weights sync in place (level 2 would also drop buffers no checkpoint holds, such as the
+            # rotary cos/sin cache, which an in-place reload does not restore); 2 with reload (the engine is rebuilt)
+            level = self.sleep_level or (1 if self.path == "inplace" else 2)
             self.llm.sleep(level=level)
             self.asleep = True
             if level == 2:  # the weights are gone: the next call must sync, optimizer step or not
@@ -176,12 +178,21 @@ class VLLMGenerator:
             origin = self.model_dir or getattr(model, "name_or_path", None)
             # in-place: start from the folder the policy came from (its weights are replaced right after);
             # reload, or no such folder: from the current weights
-            fresh = not (self.path == "inplace" and origin and Path(origin, "config.json").is_file())
-            src = self._save(model) if fresh else str(origin)
-            self.llm = self._build(src)
+            if self.path == "inplace":
+                # start from the folder the policy came from, or with placeholder weights from its config alone
+                # (every rank writes its own, so no rank waits for another's file, on any node): the in-place sync
+                # right after replaces them
+                has_origin = bool(origin) and Path(str(origin), "config.json").is_file()
+                self.llm = self._build(str(origin) if has_origin else self._save_config(model),
+                                       dummy=not has_origin)
+                self.stale = True
+            else:  # reload: from the current weights (a freshly saved folder holds them already)
+                self.llm = self._build(self._save(model))
+                self.stale = False
             self._stats["vllm/build_s"] = time.perf_counter() - t
-            self.stale = not fresh  # a freshly saved folder holds the current weights already
-            log.info("vLLM engine built from %s in %.1f s (weight sync: %s)", src, time.perf_counter() - t, self.path)
+            log.info("vLLM engine built in %.1f s (weight sync: %s)", time.perf_counter() - t, self.path)
+        if self.asleep and self.stale and self.path == "reload":  # rebuilt from a new folder: no wake-up
+            self.asleep = False
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         if self.stale:
@@ -249,17 +260,37 @@ class VLLMGenerator:
         self.llm = self._build(src)
 
     def _save(self, model: nn.Module) -> str:
-        """The policy's current weights as an HF folder (a collective under FSDP2: every rank calls it)."""
+        """The policy's current weights as an HF folder (a collective under FSDP2: every rank calls it). Several
+        processes: the full state exists on rank 0 only, which writes the folder into its ``workdir`` and sends
+        every rank its path (the broadcast follows the write) — ranks on other nodes need ``workdir`` on a file
+        system they share."""
+        import torch.distributed as dist
+
         from gearlab.parallel.distributed import full_state_dict
 
         state = full_state_dict(model)
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         self._saves += 1
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         out = Path(self.workdir) / f"weights-{self._saves % 2}"  # two slots: never overwrite the folder in use
-        if out.exists():
-            shutil.rmtree(out)
-        model.save_pretrained(out, state_dict=state)
+        if not multi or dist.get_rank() == 0:
+            if out.exists():
+                shutil.rmtree(out)
+            model.save_pretrained(out, state_dict=state)
+            self.tok.save_pretrained(out)
+        if multi:
+            box = [str(out)]
+            dist.broadcast_object_list(box, src=0)
+            out = Path(box[0])
+        return str(out)
+
+    def _save_config(self, model: nn.Module) -> str:
+        """This rank's folder with the policy's config and tokenizer but no weights (an engine with placeholder
+        weights is built from it)."""
+        out = Path(self.workdir) / "config-only"
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(out)
         self.tok.save_pretrained(out)
         return str(out)
 
@@ -295,12 +326,14 @@ class VLLMGenerator:
     def _engine_dtype(self, model: nn.Module) -> torch.dtype:
         return getattr(torch, self.dtype if self.dtype != "auto" else compute_dtype(model))
 
-    def _build(self, src: str) -> Any:
+    def _build(self, src: str, dummy: bool = False) -> Any:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gb))
         kw: dict[str, Any] = {"model": src, "tokenizer": src, "max_model_len": self.max_model_len,
                               "enforce_eager": self.enforce_eager, "seed": 0, "logprobs_mode": "processed_logprobs",
                               "dtype": self.dtype}
+        if dummy:  # placeholder weights, replaced by the in-place sync before the first sample
+            kw["load_format"] = "dummy"
         if torch.cuda.is_available():
             kw["gpu_memory_utilization"] = self.gpu_memory_utilization
             kw["enable_sleep_mode"] = self._sleep_on()

@@ -67,23 +67,25 @@ def test_inplace_sync_streams_every_tensor_in_buckets(tokenizer, tiny_model_fact
 def test_sleep_and_wake_around_the_update(tokenizer, tiny_model_factory, tiny_model_dir):
     model = tiny_model_factory(0)
     log: list = []
-    gen = _fake(log, tokenizer, tiny_model_dir, weight_sync="inplace", sleep="on", sleep_level=2)
+    gen = _fake(log, tokenizer, tiny_model_dir, weight_sync="inplace", sleep="on")
     gen._ready(model)
     gen.release()  # rollout over → the update gets the memory
     gen.release()  # idempotent
     gen.mark_stale()  # optimizer step
     gen._ready(model)  # next rollout
     assert [e[0] for e in log] == ["build", "reload_weights", "sleep", "wake_up", "reload_weights", "wake_up"]
-    assert log[2] == ("sleep", 2) and log[3] == ("wake_up", ("weights",)) and log[5] == ("wake_up", ("kv_cache",))
+    assert log[2] == ("sleep", 1) and log[3] == ("wake_up", ("weights",)) and log[5] == ("wake_up", ("kv_cache",))
     assert gen.llm.kw[
         "enable_sleep_mode"
     ] is True if torch.cuda.is_available() else "enable_sleep_mode" not in gen.llm.kw
 
 
-@pytest.mark.parametrize("sync,level", [("inplace", 2), ("reload", 1)])
-def test_auto_sleep_level_drops_the_weights_only_when_they_are_synced_in_place(
+@pytest.mark.parametrize("sync,level", [("inplace", 1), ("reload", 2)])
+def test_auto_sleep_level_drops_the_weights_only_when_the_engine_is_rebuilt(
     tokenizer, tiny_model_factory, tiny_model_dir, sync, level
 ):
+    """Level 2 also drops buffers no checkpoint holds (the rotary cos/sin cache; vLLM 0.25 on an H200 sampled from
+    garbage after it): with in-place sync the engine must keep them (level 1); with reload it is rebuilt anyway."""
     model = tiny_model_factory(0)
     log: list = []
     gen = _fake(log, tokenizer, tiny_model_dir, weight_sync=sync, sleep="on")
@@ -93,10 +95,69 @@ def test_auto_sleep_level_drops_the_weights_only_when_they_are_synced_in_place(
     n = len(log)
     gen._ready(model)  # no optimizer step in between (a skipped step, an evaluation): level 2 must still sync
     synced = [e[0] for e in log[n:]]
-    if level == 2:
-        assert synced == ["wake_up", "reload_weights", "wake_up"]
+    if level == 2:  # rebuilt from a freshly saved folder, without waking the dropped engine first
+        assert synced == ["build"]
     else:  # level 1 kept the weights (offloaded to CPU): nothing is sent
         assert synced == ["wake_up", "wake_up"]
+
+
+def test_sleep_level_2_with_in_place_sync_is_refused():
+    from gearlab.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="key 'rollout.vllm.sleep_level': 2 needs rollout.vllm.weight_sync=reload"):
+        load_config(["rollout.engine=vllm", "rollout.vllm.sleep_level=2"])
+    assert load_config(["rollout.engine=vllm", "rollout.vllm.sleep_level=2",
+                        "rollout.vllm.weight_sync=reload"]).rollout.vllm.sleep_level == 2
+
+
+def test_without_a_model_folder_the_engine_starts_from_placeholder_weights(tokenizer, tiny_model_factory, tmp_path):
+    """A policy not loaded from a folder (a hub id, a model built in code): each rank builds its engine from a
+    config-only folder of its own with vLLM's dummy loader, then syncs the real weights in place — no rank writes
+    or waits for a full checkpoint."""
+    model = tiny_model_factory(0)
+    model.name_or_path = "Qwen/Qwen3-4B"  # not a folder here
+    log: list = []
+    gen = VLLMGenerator(tokenizer, model_dir=None, weight_sync="inplace", workdir=str(tmp_path),
+                        llm_factory=lambda **k: FakeLLM(log, **k))
+    gen._ready(model)
+    assert gen.llm.kw["load_format"] == "dummy" and [e[0] for e in log] == ["build", "reload_weights"]
+    src = tmp_path / "config-only"
+    assert log[0][1] == str(src) and (src / "config.json").is_file() and (src / "tokenizer.json").is_file()
+    assert not list(src.glob("*.safetensors"))
+    assert gen.stale is False and gen.stats()["vllm/weight_sync_inplace"] == 1.0
+
+
+def _save_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from gearlab.models.tiny import build_tiny_model, build_tokenizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tok = build_tokenizer()
+    gen = VLLMGenerator(tok, model_dir=None, weight_sync="reload", workdir=f"{out}/rank{rank}")
+    path = gen._save(build_tiny_model(tok, seed=0))
+    torch.save({"path": path, "exists": os.path.isfile(f"{path}/model.safetensors")}, f"{out}/save{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_reload_saves_once_on_rank_0_and_every_rank_reads_that_folder(tmp_path):
+    """Several processes: the full state exists on rank 0 only (FSDP's full state dict; transformers writes on
+    rank 0 only), so rank 0 writes and every rank builds from rank 0's folder (on 2× H200, rank 1 looked for a
+    folder of its own that nobody wrote)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    mp.spawn(_save_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"save{r}.pt") for r in (0, 1))
+    assert r0["path"] == r1["path"] == str(tmp_path / "rank0" / "weights-1") and r0["exists"] and r1["exists"]
+    assert not (tmp_path / "rank1" / "weights-1").exists()
 
 
 def test_engine_dtype_follows_the_autocast_the_policy_computes_in(tokenizer, tiny_model_factory, tiny_model_dir):
@@ -284,6 +345,21 @@ def test_engine_follows_the_trainer_after_an_optimizer_step(real, tokenizer, syn
     if sync == "auto":
         gen.mark_stale()
         gen.sample(model0, ids, mask, sp, seed=4)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_engine_from_placeholder_weights_samples_what_the_trainer_would(real, tokenizer, tmp_path):
+    """No model folder: vLLM's dummy loader, then the in-place sync — the log-probs are the trainer's."""
+    model, _ = real
+    gen = VLLMGenerator(tokenizer, model_dir=None, max_model_len=256, workdir=str(tmp_path))
+    saved, model.name_or_path = model.name_or_path, "not/a-folder"
+    try:
+        _, (ids, mask) = _prompts(tokenizer)
+        r, m, lp = gen.sample(model, ids, mask, SamplingParams(max_new_tokens=16), seed=5)
+    finally:
+        model.name_or_path = saved
+    assert m.sum() > 16 and (lp - _trainer_logprobs(model, ids, mask, r, m))[m].abs().max() < 1e-4
 
 
 @needs_vllm
