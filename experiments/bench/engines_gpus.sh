@@ -3,8 +3,8 @@
 # each variant its own process. Results land in $OUT (or ./gpu_out); the table: python experiments/bench/engines_table.py DIR
 #   bash experiments/bench/engines_gpus.sh 4b      # qwen3-4b: hf / fast on 1 GPU, hf / fast (gather, replica) on 2
 #   bash experiments/bench/engines_gpus.sh 8b      # qwen3-8b on 2 GPUs (it does not fit one): hf / fast (gather, replica)
-#   bash experiments/bench/engines_gpus.sh vllm    # needs vLLM (experiments/gpu/vllm_bring.sh): 2 GPUs, 2 GPUs TP2, 1 GPU,
-#                                                  # 2 GPUs with sleep level 1 (the auto level is 2 with in-place sync)
+#   bash experiments/bench/engines_gpus.sh vllm    # needs vLLM (experiments/gpu/vllm_bring.sh): 2 GPUs (an engine per
+#                                                  # GPU), 2 GPUs with one engine over both (TP2); `vllm1`: 1 GPU
 # `timeout -k`: Lightning catches SIGTERM and carries on inside vLLM, so a variant past LIMIT is killed 20 s later.
 # A variant whose JSON is already in $DONE (a folder of an earlier call's results) is skipped: a part resumes.
 set -uo pipefail
@@ -27,7 +27,8 @@ case "${1:-4b}" in
   8b) run 8b_d2_hf qwen3-8b 2 hf; run 8b_d2_fast qwen3-8b 2 auto
       run 8b_d2_fast_replica qwen3-8b 2 fast --sharded-weights replica ;;
   vllm) . "${VLLM_SITE:-/tmp/vsite}/env.sh" 2>/dev/null || { echo "vLLM not installed (experiments/gpu/vllm_bring.sh install)"; exit 3; }
-      run 4b_d2_vllm qwen3-4b 2 vllm; run 4b_d2_vllm_tp2 qwen3-4b 2 vllm --tp 2; run 4b_d1_vllm qwen3-4b 1 vllm
-      run 4b_d2_vllm_sleep1 qwen3-4b 2 vllm --set rollout.vllm.sleep_level=1 ;;
-  *) echo "usage: $0 4b|8b|vllm"; exit 2 ;;
+      run 4b_d2_vllm qwen3-4b 2 vllm; run 4b_d2_vllm_tp2 qwen3-4b 2 vllm --tp 2 ;;
+  vllm1) . "${VLLM_SITE:-/tmp/vsite}/env.sh" 2>/dev/null || { echo "vLLM not installed"; exit 3; }
+      run 4b_d1_vllm qwen3-4b 1 vllm ;;
+  *) echo "usage: $0 4b|8b|vllm|vllm1"; exit 2 ;;
 esac

@@ -19,11 +19,11 @@ trainer's; if they do not, it logs the failure and falls back to ``reload`` for 
 Which path ran is logged (``vllm/weight_sync_inplace``) and said once at INFO.
 
 GPU-only parts: ``sleep`` (``LLM.sleep`` after the rollout frees its memory for the update,
-``wake_up(["weights"])`` before the sync, ``wake_up(["kv_cache"])`` before generating) ran on one H200 with vLLM
-0.25.0, with bf16 engines next to bf16 and fp32 master weights (experiments/bench/results/rollout_engines_gpu.md).
-Tensor parallelism (``tensor_parallel_size`` > 1 with vLLM's ``external_launcher`` backend: the ranks of one TP
-group pool their prompts, generate together, and each keeps its own rows) is written against vLLM's documented
-API and has not run on GPUs.
+``wake_up(["weights"])`` before the sync, ``wake_up(["kv_cache"])`` before generating) ran with vLLM 0.25.0 on one
+H200 and, FSDP2 with one engine per rank, on 2× H200 (experiments/bench/results/engines_h200x2.md). Tensor
+parallelism (``tensor_parallel_size`` > 1 with vLLM's ``external_launcher`` backend: the ranks of one TP group pool
+their prompts, generate together, and each keeps its own rows) is written against vLLM's documented API and has
+not run on GPUs.
 
 Seeds: request ``i`` of a call gets seed ``seed + i`` (vLLM's per-request generator; or the per-row seeds given,
 ``gearlab.rollout.base.row_seeds``), so a row's sample depends only on (run seed, step, global row) and the
@@ -288,9 +288,15 @@ class VLLMGenerator:
     def _save_config(self, model: nn.Module) -> str:
         """This rank's folder with the policy's config and tokenizer but no weights (an engine with placeholder
         weights is built from it)."""
+        import copy
+
         out = Path(self.workdir) / "config-only"
         out.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(out)
+        config = copy.deepcopy(model.config)
+        # a model built in code has no `architectures` (save_pretrained adds it): vLLM picks its runner by it.
+        # FSDP2 swaps the class for a generated FSDP<name> subclass: the model's own class is the next one
+        config.architectures = [next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))]
+        config.save_pretrained(out)
         self.tok.save_pretrained(out)
         return str(out)
 

@@ -9,6 +9,8 @@ Two kinds of tests:
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -116,6 +118,9 @@ def test_without_a_model_folder_the_engine_starts_from_placeholder_weights(token
     or waits for a full checkpoint."""
     model = tiny_model_factory(0)
     model.name_or_path = "Qwen/Qwen3-4B"  # not a folder here
+    model.config.architectures = None  # as for a model built from a config in code
+    arch = type(model).__name__
+    model.__class__ = type("FSDP" + arch, (type(model),), {})  # what FSDP2's fully_shard does to the class
     log: list = []
     gen = VLLMGenerator(tokenizer, model_dir=None, weight_sync="inplace", workdir=str(tmp_path),
                         llm_factory=lambda **k: FakeLLM(log, **k))
@@ -124,6 +129,7 @@ def test_without_a_model_folder_the_engine_starts_from_placeholder_weights(token
     src = tmp_path / "config-only"
     assert log[0][1] == str(src) and (src / "config.json").is_file() and (src / "tokenizer.json").is_file()
     assert not list(src.glob("*.safetensors"))
+    assert json.loads((src / "config.json").read_text())["architectures"] == [arch]  # vLLM's runner
     assert gen.stale is False and gen.stats()["vllm/weight_sync_inplace"] == 1.0
 
 
