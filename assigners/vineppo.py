@@ -8,7 +8,8 @@ docs/credit/vineppo.md.
     V_0 = the prompt's value (K continuations from the prompt alone); V_S = r(x, y) [SRC]
 
 The values come from the ``mc_step_advantage`` signal (gearlab.signals.mc), which continues each response from the
-end of each of its steps (``Task.step_ends``: lines by default) through the run's rollout engine. No group baseline:
+end of each of its steps (``Task.step_ends``: lines by default; multi-turn: turns, the episode replayed in a fresh
+environment up to there, gearlab.rollout.replay) through the run's rollout engine. No group baseline:
 a group whose rewards are all equal still gets step credit (``keeps_zero_groups = False``).
 
 Provenance of choices:
@@ -50,8 +51,9 @@ class VinePPOAssigner(CreditAssigner):
         return {"mc_k": self.k, "mc_max_steps": self.max_steps}
 
     def setup(self, *, seed: int, total_steps: int, task: Any) -> None:
-        if getattr(task, "multi_turn", False):
-            raise ValueError("vineppo continues single-turn responses; replaying multi-turn episodes is not built yet")
+        if getattr(task, "multi_turn", False) and not getattr(task, "replayable", True):
+            raise ValueError(f"vineppo replays multi-turn episodes up to each turn, and task {task.name!r} says its "
+                             "environment cannot be replayed (Task.replayable = False)")
 
     def chunk_local(self, rows: int) -> bool:
         return True  # A_t depends on row t's own signal only

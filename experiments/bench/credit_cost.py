@@ -115,7 +115,7 @@ def cpu_setup(args):
     engine = HFRolloutEngine(tok, task)
     sp = SamplingParams(max_new_tokens=48)
     rb = engine.generate(model, problems, group_size=8, sampling=sp, seed=0, with_teacher="answer")
-    from gearlab.rollout.mc import PrefixResampler
+    from gearlab.rollout.mc import resampler_of_groups
 
     return model, tok, rb, dict(
         micro=16,
@@ -124,7 +124,7 @@ def cpu_setup(args):
         pairs=5,
         desc="tiny Qwen3 1.24M params, vocab 319, 128 sequences (16 prompts × 8), real rollouts ≤ 48 tokens, fp32",
         # Monte-Carlo methods (vineppo) continue these rollouts through the same engine
-        resampler=lambda: PrefixResampler.of_groups(engine, model, rb, problems, 8, sp),
+        resampler=lambda: resampler_of_groups(engine, model, rb, problems, 8, sp),
     )
 
 

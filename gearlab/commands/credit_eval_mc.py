@@ -112,8 +112,8 @@ def mc_truth(rb: Any, rows: Sequence[Any], names: list[str], res: dict[str, Any]
     """The ``mc`` part of the credit-eval record: MC values of every response of ``rb`` (``rows``: one Problem per
     row), the methods and signals scored against the MC onsets (``score_batch``: credit_eval's), the rank
     correlations, the agreement with the located errors (``located`` [B, T] bool, or None) and the cost."""
-    values, cost = mc_values(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
-                             rb.rewards, k=k, max_steps=max_steps, sampling=sampling, seed=seed + (1 << 41))
+    values, cost = mc_values(engine, model, rows, rb, k=k, max_steps=max_steps, sampling=sampling,
+                             seed=seed + (1 << 41))
     onset = onset_mask(values, rb.rewards, rb.response_mask)
     has = onset.any(dim=1)
     informative = has & (res["seq_adv"] != 0)

@@ -32,7 +32,7 @@ from gearlab.credit.methods import available_methods, build_method, unknown_meth
 from gearlab.core.grpo import group_advantages
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.base import SamplingParams
-from gearlab.rollout.mc import PrefixResampler
+from gearlab.rollout.mc import resampler_of_groups
 from gearlab.signals.mc import needs_resampler
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.provider import SignalProvider
@@ -90,7 +90,7 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
                              teacher_prompt_mask=tmask.repeat_interleave(group_size, 0))
         todo = frozenset(s for s in a.needs if (ctx, s) not in cache)
         if todo:
-            resampler = (PrefixResampler.of_groups(engine, model, rb, problems, group_size, sampling)
+            resampler = (resampler_of_groups(engine, model, rb, problems, group_size, sampling)
                          if needs_resampler(todo) else None)
             _, sig = provider.compute(batch, todo, with_logprobs=False, options={"seed": seed, **a.signal_options()},
                                       resampler=resampler)

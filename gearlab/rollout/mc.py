@@ -1,7 +1,7 @@
 """Monte-Carlo values through a rollout engine: :class:`PrefixResampler` continues a batch's responses from their
 prefixes (``gearlab.rollout.continuation``) and scores the continuations with the task's verifier, which is what
-``gearlab.signals.mc`` (the values, the ``mc_step_advantage`` signal) asks of a rollout engine. Single-turn tasks
-only.
+``gearlab.signals.mc`` (the values, the ``mc_step_advantage`` signal) asks of a rollout engine. Multi-turn batches
+take ``gearlab.rollout.replay.EpisodeResampler`` (steps are turns); :func:`resampler_of_groups` picks.
 """
 from __future__ import annotations
 
@@ -35,14 +35,6 @@ class PrefixResampler:
     sampling: SamplingParams
     cost: dict[str, float] = field(default_factory=lambda: {"continuations": 0, "tokens": 0, "seconds": 0.0})
 
-    @classmethod
-    def of_groups(cls, engine: Any, model: nn.Module, rb: Any, problems: Sequence[Problem], group_size: int,
-                  sampling: SamplingParams) -> "PrefixResampler":
-        """The resampler of a rollout batch ``rb`` of ``group_size`` responses per problem (``problems``: one per
-        group, in row order)."""
-        rows = [p for p in problems for _ in range(group_size)]
-        return cls(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask, sampling)
-
     def step_ends(self, row: int) -> list[int]:
         ids = self.response_ids[row][self.response_mask[row].bool()].tolist()
         return token_step_ends(self.engine.tok, self.engine.task.step_ends, ids)
@@ -64,11 +56,31 @@ class PrefixResampler:
         return r
 
 
-def mc_values(engine: Any, model: nn.Module, problems: Sequence[Problem], prompt_ids: Tensor, prompt_mask: Tensor,
-              response_ids: Tensor, response_mask: Tensor, rewards: Tensor, *, k: int, max_steps: int,
+def resampler_of_rows(engine: Any, model: nn.Module, rb: Any, rows: Sequence[Problem], sampling: SamplingParams
+                      ) -> Any:
+    """The resampler of a rollout batch ``rb`` (``rows``: one Problem per row): an ``EpisodeResampler`` (steps are
+    turns) for a multi-turn engine, else a :class:`PrefixResampler`."""
+    from gearlab.rollout.multiturn import MultiTurnRolloutEngine
+
+    if isinstance(engine, MultiTurnRolloutEngine):
+        from gearlab.rollout.replay import EpisodeResampler
+
+        return EpisodeResampler(engine, model, rows, rb, sampling)
+    return PrefixResampler(engine, model, rows, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
+                           sampling)
+
+
+def resampler_of_groups(engine: Any, model: nn.Module, rb: Any, problems: Sequence[Problem], group_size: int,
+                        sampling: SamplingParams) -> Any:
+    """:func:`resampler_of_rows` for a batch of ``group_size`` responses per problem (``problems``: one per group,
+    in row order)."""
+    return resampler_of_rows(engine, model, rb, [p for p in problems for _ in range(group_size)], sampling)
+
+
+def mc_values(engine: Any, model: nn.Module, rows: Sequence[Problem], rb: Any, *, k: int, max_steps: int,
               sampling: SamplingParams, seed: int) -> tuple[list[StepValues], dict[str, float]]:
-    """Monte-Carlo step values of N single-turn responses (one ``Problem`` per row, rows as a ``RolloutBatch``
-    holds them, ``rewards`` [N] their own) and what they cost: ``gearlab.signals.mc.step_values`` through a
-    :class:`PrefixResampler`."""
-    rs = PrefixResampler(engine, model, problems, prompt_ids, prompt_mask, response_ids, response_mask, sampling)
-    return step_values(rs, rewards, k=k, max_steps=max_steps, seed=seed), rs.cost
+    """Monte-Carlo step values of the responses of a rollout batch ``rb`` (``rows``: one Problem per row; its
+    ``rewards`` [N] the responses' own) and what they cost: ``gearlab.signals.mc.step_values`` through
+    :func:`resampler_of_rows`."""
+    rs = resampler_of_rows(engine, model, rb, rows, sampling)
+    return step_values(rs, rb.rewards, k=k, max_steps=max_steps, seed=seed), rs.cost

@@ -136,24 +136,33 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
                 raise
             return None
 
+    def episode_budget(self, sampling: SamplingParams) -> int:
+        """Response tokens (policy + environment) one episode may hold: ``max_total_tokens``, else turns × turn cap."""
+        return self.max_total_tokens or sampling.max_new_tokens * self.max_turns
+
+    def new_episode(self, problem: Problem, index: int, privileged: bool | str = False) -> Episode:
+        """A fresh episode of ``problem``: its environment reset, nothing generated yet."""
+        env = self.task.make_env(problem)
+        obs0 = env.reset()
+        return Episode(problem, env, _prompt_ids(self.tok, self.task, problem, privileged), anchors=[obs0], index=index)
+
     @torch.no_grad()
     def rollout(self, model: nn.Module, problems: Sequence[Problem], sampling: SamplingParams, seed: int | Tensor,
-                privileged: bool | str = False) -> list[Episode]:
+                privileged: bool | str = False, start: Sequence[Episode] | None = None) -> list[Episode]:
         """Run one episode per problem (repeat a problem for a group); returns the finished episodes.
-        ``privileged``: the policy itself sees the privileged prompt (to evaluate the teacher's context)."""
-        budget = self.max_total_tokens or sampling.max_new_tokens * self.max_turns
+        ``privileged``: the policy itself sees the privileged prompt (to evaluate the teacher's context).
+        ``start``: go on with these episodes instead (their turns so far replayed, ``gearlab.rollout.replay``;
+        ``problems`` is then ignored): each continues at its own next turn, with that turn's seed."""
+        budget = self.episode_budget(sampling)
         stop = set(self._stop_ids())
-        episodes = []
-        for i, p in enumerate(problems):
-            env = self.task.make_env(p)
-            obs0 = env.reset()
-            episodes.append(Episode(p, env, _prompt_ids(self.tok, self.task, p, privileged), anchors=[obs0], index=i))
+        episodes = list(start) if start is not None else [self.new_episode(p, i, privileged)
+                                                            for i, p in enumerate(problems)]
         base_seeds = row_seeds(seed, len(episodes))  # episode i: seed + i, or the i-th of the seeds given
         pool = ThreadPoolExecutor(self.step_workers) if self.step_workers > 1 else None
         try:
             device = next(model.parameters()).device
-            for turn in range(self.max_turns):
-                active = [e for e in episodes if e.end_reason is None]
+            for _ in range(self.max_turns):  # each active episode takes its own next turn (all equal unless ``start``)
+                active = [e for e in episodes if e.end_reason is None and len(e.turn_rewards) < self.max_turns]
                 n_active = global_max_int(len(active), device) if self.synced_gpus else len(active)
                 if not n_active:  # (sharded: no rank has an active episode left)
                     break
@@ -166,14 +175,15 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
                 ids, mask = left_pad([e.prompt + e.tokens for e in active], self.tok.pad_token_id)
                 # each episode's own seed per turn (its index in the call: the trainer folds the rank's first
                 # global row into ``seed``), whichever episodes are still active beside it
-                turn_seeds = (base_seeds[[e.index for e in active]] + 1_000_003 * (turn + 1)) % (2**63 - 1)
+                turns = torch.tensor([len(e.turn_rewards) for e in active], dtype=torch.long)
+                turn_seeds = (base_seeds[[e.index for e in active]] + 1_000_003 * (turns + 1)) % (2**63 - 1)
                 resp, rmask, lps = self.sample_with_logprobs(model, ids, mask, replace(sampling,
                                                              max_new_tokens=max(caps)),
                                                              turn_seeds)
                 acting: list[tuple[Episode, str]] = []
                 for k, (e, cap, row, m) in enumerate(zip(active, caps, resp, rmask)):
                     toks = row[: int(m.sum())].tolist()[:cap]
-                    e.append(toks, True, turn, None if lps is None else lps[k, : len(toks)].tolist())
+                    e.append(toks, True, len(e.turn_rewards), None if lps is None else lps[k, : len(toks)].tolist())
                     e.turn_rewards.append(0.0)
                     if not toks or toks[-1] not in stop:  # cut mid-turn: never stepped
                         e.end_reason = "token_budget" if cap < sampling.max_new_tokens else "turn_length"
@@ -181,7 +191,7 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
                     acting.append((e, self.tok.decode(toks[:-1], skip_special_tokens=True)))
                 results = list(pool.map(lambda a: self._step(*a), acting)) if pool else [self._step(*a) for a in acting]
                 for (e, _), res in zip(acting, results):
-                    self._apply(e, res, turn, budget)
+                    self._apply(e, res, len(e.turn_rewards) - 1, budget)
         finally:
             if pool:
                 pool.shutdown()

@@ -61,6 +61,10 @@ class Task(ABC):
     system_prompt: str | None = None
     #: Multi-turn tasks: the default turn limit of an episode (``rollout.max_turns=0`` uses it).
     max_turns: int = 1
+    #: Multi-turn tasks: whether a fresh environment answers the same actions with the same observations, so an
+    #: episode can be replayed up to a turn and continued (Monte-Carlo values, ``vineppo``). An environment with
+    #: outside state (a clock, a live service) sets False; methods that replay then refuse the task.
+    replayable: bool = True
     #: False when the "test" split is the training problems themselves (a data file without a separate test file):
     #: an evaluation on it then measures fitting, not generalisation, and gearlab says so instead of "held-out".
     held_out: bool = True

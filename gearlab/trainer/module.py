@@ -159,10 +159,9 @@ class GRPOModule(L.LightningModule):
         signal (gearlab.signals.mc); else None."""
         if not needs_resampler(self.assigner.needs):
             return None
-        from gearlab.rollout.mc import PrefixResampler
+        from gearlab.rollout.mc import resampler_of_groups
 
-        return PrefixResampler.of_groups(self.engine, self.policy, rb, problems, self.cfg.rollout.group_size,
-                                         self.sampling)
+        return resampler_of_groups(self.engine, self.policy, rb, problems, self.cfg.rollout.group_size, self.sampling)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         it = batch["iteration"]

@@ -4,6 +4,8 @@ decoder; other seeds give other continuations within the response budget; MC val
 values computed exactly from the policy's distribution, within their standard errors."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -93,8 +95,8 @@ def test_mc_values_match_the_exact_values_of_a_hand_made_task(tokenizer, tiny_mo
     resp, rmask = eng.sample(model, ids, mask, sp, 11)
     texts = tokenizer.batch_decode(resp.masked_fill(~rmask, tokenizer.pad_token_id), skip_special_tokens=True)
     rewards = eng.score(probs, texts)
-    values, cost = mc_values(eng, model, probs, ids, mask, resp, rmask, rewards, k=300, max_steps=10, sampling=sp,
-                             seed=7)
+    rb = SimpleNamespace(prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=rmask, rewards=rewards)
+    values, cost = mc_values(eng, model, probs, rb, k=300, max_steps=10, sampling=sp, seed=7)
     stops = set(eng._stop_ids())
     checked = 0
     for n, sv in enumerate(values):
