@@ -9,7 +9,8 @@ response, up to the float rounding of a prefill against incremental decoding. Wi
 are independent samples of the rest of the response. vLLM continues with fresh draws (its generator cannot start
 mid-stream).
 
-Single-turn only: a multi-turn episode would have to be replayed in a fresh environment up to the prefix.
+Single-turn responses; multi-turn episodes are replayed in a fresh environment up to a turn and continued by
+``gearlab.rollout.replay``.
 """
 from __future__ import annotations
 

@@ -81,6 +81,7 @@ class FastDecoder:
         self._runs: dict[tuple, _Run] = {}
         self._decoder: Decoder | None = None
         self._pool = None
+        self._prefill_rows = [0, 0]  # rows, distinct rows prefilled (last sample call)
         self._stats: dict[str, float] = {}
         self._captured = 0
         self._capture_s = 0.0
@@ -110,6 +111,7 @@ class FastDecoder:
         t0 = time.perf_counter()
         steps = 0
         captured, capture_s = self._captured, self._capture_s
+        self._prefill_rows = [0, 0]  # rows, distinct rows prefilled
         outs: list[tuple[Tensor, Tensor]] = []
         sharded = is_sharded(model)
         target = self._refreshed(model) if sharded and self.sharded_weights == "replica" else model
@@ -138,7 +140,9 @@ class FastDecoder:
         self._stats = {"fast/decode_s": elapsed, "fast/steps": float(steps),
                        "fast/ms_per_step": 1000 * elapsed / max(1, steps),
                        "fast/graphs_captured": float(self._captured - captured),
-                       "fast/capture_s": self._capture_s - capture_s}
+                       "fast/capture_s": self._capture_s - capture_s,
+                       "fast/prefill_rows": float(self._prefill_rows[0]),
+                       "fast/prefill_distinct": float(self._prefill_rows[1])}
         if self._replica is not None:
             self._stats.update({"fast/replica_refresh_s": self._refresh_s,
                                 "fast/replica_gib": self._replica.nbytes() / 2**30})
@@ -236,7 +240,7 @@ class FastDecoder:
             run.out_lp.zero_()
             run.done.zero_()
             run.step.zero_()
-            logits = dec.prefill(ids, mask, run.cache)
+            logits = self._prefill_shared(dec, run, ids, mask)
             self._emit(run, logits, sp)  # token 0, from the prompt's last position
             n = 1
             while n < T:
@@ -249,6 +253,25 @@ class FastDecoder:
                     self._step(dec, run, self._bucket_len(run, j) if fixed else run.P + n, sp)
                 n += 1
         return run.out_tok.clone(), run.out_lp.clone(), n
+
+    def _prefill_shared(self, dec: Decoder, run: _Run, ids: Tensor, mask: Tensor) -> Tensor:
+        """Prefill each distinct prompt row once (a GRPO group's G copies of a prompt, the K Monte-Carlo
+        continuations of one prefix) into the first rows of the cache, then copy its keys and values to the rows
+        that repeat it. Returns every row's last-position logits [B, V]. The prefix is computed for fewer rows, so
+        its digits may differ from a full-batch prefill by float rounding (kernels picked by batch size)."""
+        B, P = ids.shape
+        uniq, inverse = torch.unique(torch.cat([ids, mask.long()], 1), dim=0, return_inverse=True)
+        U = uniq.shape[0]
+        self._prefill_rows[0] += B
+        self._prefill_rows[1] += U
+        if U == B:
+            return dec.prefill(ids, mask, run.cache)
+        head = KVCache([k[:U] for k in run.cache.keys], [v[:U] for v in run.cache.values])  # views: written in place
+        logits = dec.prefill(uniq[:, :P], uniq[:, P:], head)
+        for k, v in zip(run.cache.keys, run.cache.values):
+            k[:, :, :P].copy_(k[:U, :, :P][inverse])
+            v[:, :, :P].copy_(v[:U, :, :P][inverse])
+        return logits[inverse]
 
     def _bucket_len(self, run: _Run, j: int) -> int:
         return run.P + min((j + 1) * self.bucket, run.T)

@@ -144,6 +144,24 @@ def test_hf_generate_samples_the_fast_decoders_tokens(setup, tokenizer, temperat
     assert torch.equal(per_row, hf)
 
 
+def test_a_repeated_prompt_is_prefilled_once_and_samples_as_if_alone(setup, tokenizer):
+    """A GRPO group (G copies of a prompt) or K Monte-Carlo continuations of one prefix: each distinct row is
+    prefilled once and its cache copied to its repeats; every row samples the tokens and log-probs it draws alone."""
+    model, _, ids, mask = setup
+    rep = torch.tensor([0, 0, 0, 1, 1, 2, 0, 3])
+    sp = SamplingParams(max_new_tokens=16)
+    seeds = torch.arange(len(rep)) + 40
+    fast = FastDecoder(tokenizer, batch_size=8, bucket=8, cuda_graphs="off")
+    resp, rmask, lp = fast.sample(model, ids[rep], mask[rep], sp, seed=seeds)
+    st = fast.stats()
+    assert (st["fast/prefill_rows"], st["fast/prefill_distinct"]) == (8.0, 4.0)
+    for i, r in enumerate(rep.tolist()):  # the same row and seed, decoded alone (nothing shared)
+        alone, amask, alp = fast.sample(model, ids[r : r + 1], mask[r : r + 1], sp, seed=seeds[i : i + 1])
+        n = int(amask.sum())
+        assert int(rmask[i].sum()) == n and torch.equal(resp[i, :n], alone[0, :n])
+        assert torch.allclose(lp[i, :n], alp[0, :n], atol=1e-5)
+
+
 def test_top_k_one_is_greedy(setup, tokenizer):
     model, _, ids, mask = setup
     fast = FastDecoder(tokenizer, batch_size=8)
