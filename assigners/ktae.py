@@ -82,20 +82,18 @@ def info_gain(table: Tensor) -> Tensor:
     return torch.where(n > 0, ig, torch.zeros_like(ig))
 
 
-def key_weights(ids: Tensor, mask: Tensor, correct: Tensor, o: KTAEOptions) -> dict[int, float]:
-    """Token id → k(v) for one group: ``ids`` / ``mask`` [G, T] (generated tokens), ``correct`` [G] bool."""
+def key_weights(ids: Tensor, mask: Tensor, correct: Tensor, o: KTAEOptions) -> tuple[Tensor, Tensor]:
+    """The group's token ids [V] (sorted) and their weights k(v) [V] float32 for one group: ``ids`` / ``mask``
+    [G, T] (generated tokens), ``correct`` [G] bool. Empty when the group is all correct or all incorrect."""
     nc, nw = int(correct.sum()), int((~correct).sum())
     if nc == 0 or nw == 0:
-        return {}
-    vocab = sorted(set(ids[mask].tolist()))
-    index = {v: j for j, v in enumerate(vocab)}
-    V = len(vocab)
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    vocab, inv = torch.unique(ids[mask], return_inverse=True)  # inv: each generated token's index in vocab
+    V, rows = len(vocab), mask.nonzero()[:, 0]
     occurs = torch.zeros(ids.shape[0], V, dtype=torch.bool)
+    occurs[rows, inv] = True
     freq = torch.zeros(2, V, dtype=torch.float32)  # token counts among correct / incorrect tokens
-    for i in range(ids.shape[0]):
-        toks = torch.tensor([index[v] for v in ids[i][mask[i]].tolist()], dtype=torch.long)
-        occurs[i, toks] = True
-        freq[0 if correct[i] else 1].index_add_(0, toks, torch.ones(len(toks), dtype=torch.float32))
+    freq.index_put_(((~correct[rows]).long(), inv), torch.ones(len(inv)), accumulate=True)
     a = occurs[correct].sum(0).float()  # float32 throughout, as the source: its Fisher test compares probabilities
     b = occurs[~correct].sum(0).float()  # exactly, so the dtype decides ties
     table = torch.stack([a, b, nc - a, nw - b], 1)
@@ -114,11 +112,9 @@ def key_weights(ids: Tensor, mask: Tensor, correct: Tensor, o: KTAEOptions) -> d
         x = x + sat[0] / (sat[1] + 1e-5) - sat[1] / (sat[0] + 1e-5)
     k = (o.alpha * f + o.beta_ig * ig) * x / (o.alpha + o.beta_ig)
     k = (torch.sigmoid(k) - 0.5) * 2 * o.top
-    out = {v: float(k[j]) for v, j in index.items()}
-    for z in o.zero_ids:
-        if z in out:
-            out[z] = 0.0
-    return out
+    if o.zero_ids:
+        k = k.masked_fill(torch.isin(vocab, torch.tensor(list(o.zero_ids), dtype=vocab.dtype)), 0.0)
+    return vocab, k
 
 
 @register("ktae")
@@ -143,10 +139,10 @@ class KTAEAssigner(CreditAssigner):
             rows = (groups == g).nonzero().flatten()
             if len(rows) < 2:
                 continue
-            w = key_weights(ids[rows], m[rows], correct[rows], self)
-            if w:
-                lut = torch.tensor([w.get(v, 0.0) for v in range(int(ids[rows].max()) + 1)], dtype=torch.float32)
-                key[rows] = lut[ids[rows].clamp(min=0)] * m[rows]
+            vocab, k = key_weights(ids[rows], m[rows], correct[rows], self)
+            if len(vocab):  # every generated token's id is in vocab; padding positions are masked out
+                at = torch.searchsorted(vocab, ids[rows]).clamp(max=len(vocab) - 1)
+                key[rows] = k[at] * m[rows]
         key = key.to(mask.device)
         adv = (seq_advantages[:, None].to(mask.device).float() + key) * mask.float()
         n = int(mask.sum())

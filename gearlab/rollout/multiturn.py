@@ -140,11 +140,14 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
         """Response tokens (policy + environment) one episode may hold: ``max_total_tokens``, else turns × turn cap."""
         return self.max_total_tokens or sampling.max_new_tokens * self.max_turns
 
-    def new_episode(self, problem: Problem, index: int, privileged: bool | str = False) -> Episode:
-        """A fresh episode of ``problem``: its environment reset, nothing generated yet."""
+    def new_episode(self, problem: Problem, index: int, privileged: bool | str = False,
+                    prompt: list[int] | None = None) -> Episode:
+        """A fresh episode of ``problem``: its environment reset, nothing generated yet (``prompt``: its prompt ids
+        when already known, else encoded here)."""
         env = self.task.make_env(problem)
         obs0 = env.reset()
-        return Episode(problem, env, _prompt_ids(self.tok, self.task, problem, privileged), anchors=[obs0], index=index)
+        ids = list(prompt) if prompt is not None else _prompt_ids(self.tok, self.task, problem, privileged)
+        return Episode(problem, env, ids, anchors=[obs0], index=index)
 
     @torch.no_grad()
     def rollout(self, model: nn.Module, problems: Sequence[Problem], sampling: SamplingParams, seed: int | Tensor,

@@ -49,8 +49,7 @@ def replay(engine: MultiTurnRolloutEngine, problem: Problem, prompt: list[int], 
     ``prompt``: the episode's prompt ids; ``turns``: its generated tokens per turn (:func:`episode_turns`);
     ``recorded``: its whole response (generated and environment tokens, unpadded); ``index``: the row whose seed the
     continuation draws with. Raises :class:`ReplayMismatch` when the rebuilt tokens differ from ``recorded``."""
-    e = engine.new_episode(problem, index)
-    e.prompt = list(prompt)
+    e = engine.new_episode(problem, index, prompt=prompt)
     budget = engine.episode_budget(sampling)
     for k in range(n_turns):
         toks = list(turns[k])

@@ -176,8 +176,6 @@ class VLLMGenerator:
                 self.max_model_len, getattr(model.config, "max_position_embeddings", self.max_model_len)
             )
             origin = self.model_dir or getattr(model, "name_or_path", None)
-            # in-place: start from the folder the policy came from (its weights are replaced right after);
-            # reload, or no such folder: from the current weights
             if self.path == "inplace":
                 # start from the folder the policy came from, or with placeholder weights from its config alone
                 # (every rank writes its own, so no rank waits for another's file, on any node): the in-place sync
