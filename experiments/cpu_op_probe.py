@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gearlab  # noqa: E402,F401  (pins the kernels unless GEARLAB_CPU_KERNELS=native)
+import gearlab.core  # noqa: E402,F401  (routes nn.Linear to oneDNN when pinned)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -96,6 +97,22 @@ def probe() -> dict[str, str]:
         for _ in range(3):
             opt.step()
         out["adamw_fused" if fused else "adamw_foreach"] = _h(*qs)
+    # nn.Linear, which gearlab routes to oneDNN on the CPU (gearlab.cpu_kernels.route_linear): the embedded model's
+    # products (update micro-batch 704 rows, decode 64 rows; q/o 192x192, k/v 64x192, MLP 512x192 and 192x512, the
+    # tied head 319x192), forward and both gradients, on 1 and 2 threads
+    threads = torch.get_num_threads()
+    for n_thr in (1, 2):
+        torch.set_num_threads(n_thr)
+        for rows, n_out, n_in in ((704, 192, 192), (704, 64, 192), (704, 512, 192), (704, 192, 512), (704, 319, 192),
+                                  (64, 512, 192), (64, 319, 192), (4096, 512, 192)):
+            lin = torch.nn.Linear(n_in, n_out, bias=False)
+            with torch.no_grad():
+                lin.weight.copy_(r(n_out, n_in))
+            xl = r(rows, n_in, grad=True)
+            yl = lin(xl)
+            yl.square().sum().backward()
+            out[f"nn_linear_{rows}x{n_out}x{n_in}_t{n_thr}"] = _h(yl, xl.grad, lin.weight.grad)
+    torch.set_num_threads(threads)
     probs = torch.softmax(r(16, 1024), -1)
     torch.manual_seed(3)
     out["multinomial"] = _h(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(3)).float())

@@ -22,9 +22,9 @@ from gearlab.models.shipped import SHIPPED_DIR, recipe, shipped_matches
 
 ROOT = Path(__file__).resolve().parents[2]
 # sha256 of the shipped warm start's weights (gearlab.models.checkpoints.weights_digest)
-START_SHA256 = "1f7850bddd862b18d270a8951855a79b62c56fdffd6eb914d0c4fadc366bf373"
+START_SHA256 = "22a248c5ea2789cc0e8a06041491ee948ab7032126f2fe70da5e13ca3f5f4265"
 # the final weights after 2 GEAR iterations from it (RL_COMMAND below), and two of its logged values
-RL_SHA256 = "30a4ea1b5d9c28d0dd85b12d6f0bebc9ba00feefd72cf0994d286baad1de68b0"
+RL_SHA256 = "2a2da688ce89012e22224327a1dbec53ba978018d4ad2a61605f110286252407"
 RL_OVERRIDES = ["assigner=gear", "trainer.max_steps=2", "trainer.threads=1", "trainer.accelerator=cpu",
                 "rollout.prompts_per_step=8", "rollout.group_size=4", "eval.num_problems=16",
                 "trainer.progress_bar=false", "trainer.run_name=pinned"]

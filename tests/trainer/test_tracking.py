@@ -94,11 +94,12 @@ def test_package_versions_is_cheap_and_complete():
     v = package_versions()
     assert set(v) == {"torch", "transformers", "tokenizers", "lightning", "mlflow", "omegaconf", "numpy", "python",
                       "gearlab",
-                      "cpu_model", "cpu_kernels", "aten_cpu_capability", "mkl_cbwr", "onednn_max_cpu_isa",
-                      "torch_threads", "cpu_capability"}  # the last two because torch is loaded in this process
+                      "cpu_model", "cpu_kernels", "aten_cpu_capability", "mkl_cbwr", "onednn_max_cpu_isa", "cpu_linear",
+                      "torch_threads", "cpu_capability", "onednn"}  # the last three because torch is loaded here
     assert v["torch_threads"] == str(torch.get_num_threads())
     # what decides CPU digits: the pinned kernels are in force in this (gearlab-importing) process
     assert (v["aten_cpu_capability"], v["mkl_cbwr"], v["cpu_capability"]) == ("avx2", "COMPATIBLE", "AVX2")
+    assert v["cpu_linear"] == "onednn" and v["onednn"].startswith("v3.")  # the product's library and its version
     assert v["cpu_model"] not in ("", "unknown")
     assert v["mlflow"] == mlflow.__version__ and all(isinstance(x, str) and x for x in v.values())
 
