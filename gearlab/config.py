@@ -241,6 +241,9 @@ class EvalConfig:
     num_problems: int = 200  # test-split problems per evaluation (held out unless the task has no test split); 0 = none
     k: int = 4
     temperature: float = 1.0
+    # also decode each problem greedily (eval/greedy_accuracy): a fifth of the decoding at k=4; the sampled metrics
+    # (avg@k, pass@k) are the same digits with it off (their rows carry their own seeds)
+    greedy: bool = True
     # the held-out problems and the sampling seed of the evaluation: -1 = trainer.seed (each seed its own problems);
     # a fixed value evaluates every run of a comparison on the same problems with the same random numbers
     seed: int = -1

@@ -10,10 +10,11 @@ before torch computes anything; ``import gearlab`` does it):
 
 - ``ATEN_CPU_CAPABILITY=avx2``: ATen's kernels (element-wise maths, reductions, softmax, SDPA's CPU kernel) take
   their AVX2 build, which every x86-64 CPU of the last decade runs;
-- ``MKL_CBWR=COMPATIBLE``: MKL's matrix products (``F.linear``, SDPA's inner products) and vector maths
-  (``torch.exp``/``log``) take MKL's generic branch. It is the only branch MKL runs alike on Intel and AMD: with
-  ``MKL_CBWR=AVX2`` (also ``AVX2,STRICT``) an Intel Xeon and an AMD EPYC still disagree on ``exp``, ``log`` and a
-  [1536, 64] × [64, 1024] product (experiments/cpu_op_probe.py; results in experiments/results/cpu_classes/);
+- ``MKL_CBWR=COMPATIBLE``: MKL's matrix products (SDPA's inner products, ``F.linear`` outside ``nn.Linear``) and
+  vector maths (``torch.exp``/``log``) take MKL's generic branch. It is the only branch MKL runs alike on Intel and
+  AMD: with ``MKL_CBWR=AVX2`` (also ``AVX2,STRICT``) an Intel Xeon and an AMD EPYC still disagree on ``exp``,
+  ``log`` and a [1536, 64] × [64, 1024] product (experiments/cpu_op_probe.py; results in
+  experiments/results/cpu_classes/);
 - ``ONEDNN_MAX_CPU_ISA=AVX2``: oneDNN's JIT, which :func:`route_linear` sends every float32 ``nn.Linear`` on the CPU
   to: its AVX2 matrix product adds each output's terms in one fixed order whatever the CPU, and is 2-3x faster than
   MKL's generic branch at the tiny model's shapes (experiments/results/cpu_classes/).
@@ -21,13 +22,14 @@ before torch computes anything; ``import gearlab`` does it):
 One more kernel is vendor-dependent whatever the variables: the for-each AdamW step (its square root). gearlab's
 optimisers use the fused AdamW kernel, which gave the same digits on both classes.
 
-Measured (experiments/cpu_class_gearlab.py: a warm start, then two GEAR iterations): an AMD EPYC and an Intel Xeon
-print the same weights digest and every logged metric to the last digit when pinned, and other digits when not.
-Cost on the AMD EPYC: the warm start's 450 SFT steps take about 2× longer (MKL's generic matrix product); the main
-job starts from a shipped warm start (gearlab.models.shipped), so its figures do not pay for that.
+Measured (experiments/results/cpu_classes/): with the pin and the route, an AMD EPYC and an Intel Xeon give bitwise
+the same warm start, the same first RL iterations and the same ten final models of the main job (torch 2.11 on
+both); with the machine's own kernels they do not. oneDNN's version is part of the digits (torch 2.11 and 2.13 ship
+different ones), so it is recorded too.
 
-``GEARLAB_CPU_KERNELS=native`` keeps the machine's own kernels (faster, other digits); a variable the user set is
-kept. What was in force is recorded with every run (:func:`describe`, ``versions.*``). GPU kernels are not affected.
+``GEARLAB_CPU_KERNELS=native`` keeps the machine's own kernels and torch's own ``nn.Linear`` (other digits); a
+variable the user set is kept. What was in force is recorded with every run (:func:`describe`, ``versions.*``).
+GPU kernels are not affected.
 """
 from __future__ import annotations
 

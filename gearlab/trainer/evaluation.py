@@ -64,7 +64,8 @@ def cached_start_evaluation(model, tok, task, cfg: Config, model_dir: str | Path
 
 @torch.no_grad()
 def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
-    """Greedy accuracy, avg@k and unbiased pass@k on ``eval.num_problems`` test problems.
+    """Greedy accuracy (unless ``eval.greedy`` is off), avg@k and unbiased pass@k on ``eval.num_problems`` test
+    problems.
 
     The problems and sampling seeds depend only on ``eval.seed`` (default: ``trainer.seed``) and the number of \
 processes, so
@@ -93,9 +94,11 @@ processes, so
     dev = next(model.parameters()).device
     t0 = time.time()
     k = cfg.eval.k
+    greedy = None
     with gathered_for_generation(model):
-        greedy = engine.generate(model, mine, group_size=1, seed=seed,
-                                 sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
+        if cfg.eval.greedy:
+            greedy = engine.generate(model, mine, group_size=1, seed=seed,
+                                     sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))
         # sample j of global problem q draws with seed + 1 + q·k + j: the same samples on any number of ranks
         rows = [(rank + i * world) * k + j for i in range(per) for j in range(k)]
         sampled = engine.generate(model, mine, group_size=k, seed=(seed + 1 + torch.tensor(rows)) % (2**63 - 1),
@@ -103,8 +106,9 @@ processes, so
                                                           temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
                                                           top_k=cfg.rollout.top_k))
     correct = (sampled.rewards >= 1 - 1e-6).float().view(-1, k).sum(-1)
-    values = {"greedy_accuracy": (greedy.rewards >= 1 - 1e-6).float(), f"avg@{k}": correct / k,
-              f"pass@{k}": pass_at_k(correct, k, k)}
+    values = {f"avg@{k}": correct / k, f"pass@{k}": pass_at_k(correct, k, k)}
+    if greedy is not None:
+        values["greedy_accuracy"] = (greedy.rewards >= 1 - 1e-6).float()
     out: dict[str, Any] = {"problems": len(problems)}
     for name, v in values.items():
         m = MeanMetric().to(dev)
@@ -112,7 +116,7 @@ processes, so
         out[name] = float(m.compute())
     # multi-turn tasks: how the greedy episodes used their tools and ended (means over episodes; a padding
     # repeat, at most one per rank, is counted here)
-    for n, v in greedy.meta.get("rollout_stats", {}).items():
+    for n, v in (greedy.meta.get("rollout_stats", {}) if greedy is not None else {}).items():
         if n in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean"):
             m = MeanMetric().to(dev)
             m.update(torch.tensor(float(v), device=dev), weight=torch.tensor(float(len(mine)), device=dev))

@@ -247,9 +247,8 @@ class PeriodicEval(Callback):
         k = self.cfg.eval.k
         # named as MLflow stores them ("@" is not allowed in an MLflow metric name), so the name logged, looked up
         # and documented is one: eval/avg_at_4, not eval/avg@4 that the logger would rename
-        metrics = {"eval/greedy_accuracy": res["greedy_accuracy"], f"eval/avg_at_{k}": res[f"avg@{k}"],
-                   f"eval/pass_at_{k}": res[f"pass@{k}"]}
-        metrics.update({f"eval/{n}": v for n, v in res.items() if n.startswith("greedy_") and n != "greedy_accuracy"})
+        metrics = {f"eval/avg_at_{k}": res[f"avg@{k}"], f"eval/pass_at_{k}": res[f"pass@{k}"]}
+        metrics.update({f"eval/{n}": v for n, v in res.items() if n.startswith("greedy_")})  # (eval.greedy on)
         if trainer.is_global_zero and trainer.logger is not None:
             trainer.logger.log_metrics(metrics, step=module.iterations_done)
         module.last_eval = metrics

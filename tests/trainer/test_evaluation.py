@@ -41,3 +41,22 @@ def test_start_evaluation_is_cached_exactly(tmp_path, tiny_model_dir, tokenizer,
     assert start_cache_key(cfg, tmp_path / "no-model") is None
     off = _cfg(tmp_path, tiny_model_dir, "eval.seed=0", "eval.cache_start=false")
     assert "cached" not in cached_start_evaluation(model, tokenizer, task, off, tiny_model_dir)
+
+
+def test_greedy_off_drops_only_the_greedy_decode(tmp_path):
+    """eval.greedy=false (the main job's setting): the sampled metrics keep their digits (each row has its own seed,
+    so the greedy decode before them draws nothing from them), greedy accuracy is not reported."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gearlab.models.shipped import SHIPPED_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_DIR)  # the warm start: some answers right, some wrong
+    tok = AutoTokenizer.from_pretrained(SHIPPED_DIR)
+    base = [f"model.name_or_path={SHIPPED_DIR}", f"trainer.output_dir={tmp_path}", "eval.num_problems=12", "eval.k=4",
+            "eval.seed=0"]
+    on, off = load_config(base), load_config([*base, "eval.greedy=false"])
+    task = task_from_config(on)
+    a, b = evaluate_model(model, tok, task, on), evaluate_model(model, tok, task, off)
+    assert "greedy_accuracy" in a and "greedy_accuracy" not in b
+    assert (b["avg@4"], b["pass@4"], b["problems"]) == (a["avg@4"], a["pass@4"], a["problems"]) and 0 < a["avg@4"] < 1
+    assert start_cache_key(off, SHIPPED_DIR) != start_cache_key(on, SHIPPED_DIR)
