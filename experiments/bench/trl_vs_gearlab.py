@@ -314,8 +314,12 @@ def main() -> None:
     ap.add_argument("--out", default="trl_vs_gearlab.json")
     ap.add_argument("--md", default="", help="also write the table as Markdown to this file")
     ap.add_argument("--profile", action="store_true", help="profile one decode step of the fast variants")
+    ap.add_argument("--new", type=int, default=0,
+                    help="new tokens per completion, forced to full length (default 256; issue 33's 1,024 and 2,048)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     a = ap.parse_args()
+    global NEW
+    NEW = a.new or NEW
     work = Path(os.environ.get("BENCH_WORK", "/tmp")) / "gearlab_bench_model"
     if a.one:
         Path(a.out).write_text(json.dumps(run_variant(a.one, work, work, a.iters, a.profile)))
@@ -334,7 +338,7 @@ def main() -> None:
         part = work / f"{n}.json"
         part.unlink(missing_ok=True)
         cmd = [
-            sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part)
+            sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part), "--new", str(NEW)
         ] + (["--profile"] if a.profile else [])
         rc = subprocess.run(cmd).returncode
         res[n] = json.loads(part.read_text()) if rc == 0 and part.exists() else {"error": f"exit code {rc}"}

@@ -1,7 +1,8 @@
 """The embedded tiny model's warm start, shipped inside the package so the main job does not have to redo it.
 
 ``gearlab warmstart`` with the default recipe (task ``arith``, seed 0, 600 SFT steps of 32, lr 3e-3, 2 threads,
-CPU, fp32) writes exactly these files on any x86-64 CPU (the kernels are pinned, gearlab.cpu_kernels;
+CPU, fp32) writes exactly these files on any x86-64 CPU with the lock's torch (the kernels are pinned and oneDNN's
+version is part of the digits, gearlab.cpu_kernels;
 ``tests/models/test_warmstart.py`` re-runs it and compares the weights digest). Copying them takes a second where
 the SFT takes minutes, so ``embedded:tiny-arith`` with that recipe is copied, not recomputed. Any other recipe
 (another seed, task option, step count, ``warmstart.*`` value) runs the SFT as before.

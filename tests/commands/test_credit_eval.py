@@ -192,7 +192,7 @@ def test_gearlab_credit_eval_against_monte_carlo_onsets(tmp_path):
     response continued from each step end, the methods scored against the MC onsets, and the MC onset checked
     against the located first error."""
     r = subprocess.run([sys.executable, "-m", "gearlab.cli", "credit-eval", "credit_eval.truth=both",
-                        "credit_eval.prompts=16", "credit_eval.mc_k=4", "credit_eval.assigners=[grpo,gear,oar_p]",
+                        "credit_eval.prompts=32", "credit_eval.mc_k=4", "credit_eval.assigners=[grpo,gear,oar_p]",
                         "credit_eval.controls=false", f"trainer.output_dir={tmp_path}",
                         f"credit_eval.out_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=600,
                        cwd=tmp_path)
