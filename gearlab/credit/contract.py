@@ -101,6 +101,7 @@ def fake_signals(batch: RolloutBatch, needs: frozenset, seed: int) -> dict:
         "signed": rnd,
         "reasoning_mask": reasoning_mask,
         "mask": lambda: (torch.rand(B, T, generator=g) < 0.5).float(),
+        "prob": lambda: 1.0 - torch.rand(B, T, generator=g),
     }
     return {s: makers[get_signal(s).fake]() * m for s in needs}
 

@@ -42,8 +42,8 @@ class Signal(str, enum.Enum):
 
 # How the contract kit fakes a signal's values (before the response mask is applied):
 #   entropy: U[0, 3) · logprob: −exp(N(0,1)) · kl: exp(N(0,1) − 1) · nonneg: |N(0,1)| · signed: N(0,1)
-#   · reasoning_mask: 1 on each response but its last k ∈ [1, 5] tokens · mask: Bernoulli(0.5)
-FAKES = ("entropy", "logprob", "kl", "nonneg", "signed", "reasoning_mask", "mask")
+#   · reasoning_mask: 1 on each response but its last k ∈ [1, 5] tokens · mask: Bernoulli(0.5) · prob: U(0, 1]
+FAKES = ("entropy", "logprob", "kl", "nonneg", "signed", "reasoning_mask", "mask", "prob")
 
 
 @dataclass
