@@ -1,7 +1,8 @@
 """OTB: the optimal token baseline — a per-position baseline from each response's accumulated "realized energy".
 
 Method: Li et al., arXiv 2602.07078; code ``verl-project/verl@018f23b5``: ``compute_optimal_token_baseline_advantage``
-in ``verl/trainer/ppo/core_algos.py`` (the single-turn estimator ``optimal_token_baseline``) and verl's OTB documentation page
+in ``verl/trainer/ppo/core_algos.py`` (the single-turn estimator ``optimal_token_baseline``)
+and verl's OTB documentation page
 (Σπ² from the logits). docs/credit/otb.md.
 
 For response i of a group with outcome reward R_i (at its last token, so its reward-to-go is G_{i,t} = R_i on every
