@@ -48,13 +48,13 @@ def otb_advantages(rewards: Tensor, mask: Tensor, logprobs: Tensor, sum_pi_sq: T
     m = mask.float()
     G = rewards.float()[:, None] * m  # the reward-to-go of a reward on the last generated token
     w = 1 - 2 * logprobs.float().exp() + sum_pi_sq.float()
-    W = (w * m).cumsum(-1)
+    Wm = (w * m).cumsum(-1) * m  # W_{i,t} on generated positions, 0 after the response
     base = torch.zeros_like(G)
     for g in torch.unique(groups).tolist():
         rows = (groups == g).nonzero().flatten()
         if len(rows) < 2:
             continue
-        b = (G[rows] * W[rows] * m[rows]).sum(0) / ((W[rows] * m[rows]).sum(0) + epsilon)
+        b = (G[rows] * Wm[rows]).sum(0) / (Wm[rows].sum(0) + epsilon)
         base[rows] = b[None].expand(len(rows), -1)
         if handle_zero_tail:
             lengths = m[rows].sum(-1)

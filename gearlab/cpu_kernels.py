@@ -47,7 +47,7 @@ OPT_OUT = "GEARLAB_CPU_KERNELS"  # "native": do not pin
 def pin() -> bool:
     """Set :data:`PINNED` in ``os.environ`` (keeping any value the user set) on x86-64, unless
     ``GEARLAB_CPU_KERNELS=native``. Returns whether the pin is requested. Child processes inherit it."""
-    if os.environ.get(OPT_OUT, "").lower() == "native" or platform.machine().lower() not in ("x86_64", "amd64"):
+    if not pinned():
         return False
     for k, v in PINNED.items():
         os.environ.setdefault(k, v)
