@@ -27,7 +27,8 @@ class ModelConfig:
     # "embedded:tiny-arith" = the warm-started tiny model (made by `gearlab warmstart` if missing);
     # "embedded:tiny-random" = a freshly initialised tiny model; otherwise a local folder or hub id.
     name_or_path: str = "embedded:tiny-arith"
-    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU | float32 | bfloat16
+    # the parameters' dtype: auto = fp32 on CPU; on GPU bf16, but fp32 master weights under trainer.precision=bf16-mixed
+    dtype: str = "auto"  # auto | float32 | bfloat16
     trust_remote_code: bool = False
 
 

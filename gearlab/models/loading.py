@@ -49,6 +49,17 @@ def _looks_like_hub_id(ref: str) -> bool:
     return len(parts) == 2 and all(parts) and not Path(ref).exists()
 
 
+def policy_dtype(cfg: Config, *, cuda: bool) -> torch.dtype:
+    """The dtype the policy's parameters are loaded in. ``model.dtype=auto``: float32 on the CPU; on a GPU bfloat16,
+    except under ``trainer.precision=bf16-mixed``, whose master weights stay float32 (bf16 compute through
+    autocast): an AdamW step of lr ~1e-5 is below bfloat16's resolution for most weights and would be lost."""
+    if cfg.model.dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    if not cuda or cfg.trainer.precision == "bf16-mixed":
+        return torch.float32
+    return torch.bfloat16
+
+
 def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Module, Any, str]:
     """(model, tokenizer, model name). Embedded models are made (and warm-started) on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,8 +87,7 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
             log.warning("no warm-started model at %s: running `gearlab warmstart` first", d)
             run_warmstart(cfg)
         path = str(d)
-    cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.dtype, torch.bfloat16 if cuda else torch.float32)
+    dtype = policy_dtype(cfg, cuda=torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"))
     if not ref.startswith("embedded:"):
         check_model_folder(ref)
     try:

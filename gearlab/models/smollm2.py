@@ -41,6 +41,8 @@ def materialize(out_dir: str | Path) -> Path:
 
     f = gguf_path()
     tok = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+    if tok.pad_token is None:  # older transformers do not read it from the GGUF: the same folder on every version
+        tok.pad_token = "<|im_end|>"
     gguf_model = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32)
     config = gguf_model.config
     if hasattr(config, "quantization_config"):

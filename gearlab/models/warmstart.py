@@ -238,6 +238,8 @@ def warmstart(
         model = build_tiny_model(tokenizer, seed=seed, **(model_kwargs or {}))
     else:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if tokenizer.pad_token_id is None:  # as load_policy does: padding (SFT batches, evaluation) needs one
+            tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     dev = torch.device(

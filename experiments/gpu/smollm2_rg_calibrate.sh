@@ -1,0 +1,67 @@
+#!/bin/bash
+# Calibration for the SmolLM2 comparison on reasoning-gym's gsm_symbolic (issue 30), one lent GPU, one call:
+#   1. the pretrained SmolLM2-135M-Instruct, no fine-tuning: held-out greedy / sampled / privileged accuracy;
+#   2. warm starts (SFT on the worked solutions), one process each, side by side on the card: "STEPS:LR ..." ;
+#   3. GRPO from the warm start whose sampled accuracy is nearest 30%, one run per RL learning rate, side by side.
+# Needs, installed earlier in the same warm machine: .whl (wheels.sh whl), .rgw (wheels.sh rg + install-rg), and
+# SmolLM2 (smollm2_bring.sh). Results under $OUT: ws_*.json, train_*.log, calibration.json.
+#   WS="400:2e-4" LRS="1e-5 3e-5 1e-4" ITERS=30 bash experiments/gpu/smollm2_rg_calibrate.sh
+# (WS_MIN=M caps each warm start at M minutes; PRE=0 skips the pretrained model's evaluation.)
+set -uo pipefail
+python -c "import gearlab.assigners" 2>/dev/null || python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+WS=${WS:-"400:2e-4"}; LRS=${LRS:-"1e-5 3e-5 1e-4"}; ITERS=${ITERS:-30}; WS_MIN=${WS_MIN:-}; PRE=${PRE:-1}
+W=${W:-/tmp/cal}; mkdir -p "$W"
+COMMON=(model=smollm2_135m task=rg task.options.dataset=gsm_symbolic rollout.max_new_tokens=256
+        warmstart.device=cuda warmstart.bf16=true warmstart.batch_size=64 warmstart.n_eval=200)
+summary() { python -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[2], {k:d.get(k) for k in ('steps','lr','train_seconds','eval_seconds','loss_last','acc_plain_greedy','acc_plain_sampled','acc_privileged_greedy')})" "$@"; }
+
+SECONDS=0
+[ "$PRE" = 1 ] && ( gearlab warmstart "${COMMON[@]}" warmstart.steps=0 trainer.output_dir=$W/pre > "$OUT/ws_pretrained.log" 2>&1
+  cp $W/pre/warmstart/smollm2-135m-rg/warmstart.json "$OUT/ws_pretrained.json" ) &
+for v in $WS; do
+  s=${v%%:*}; lr=${v##*:}
+  ( gearlab warmstart "${COMMON[@]}" warmstart.steps=$s warmstart.lr=$lr ${WS_MIN:+warmstart.max_minutes=$WS_MIN} \
+      trainer.output_dir=$W/ws_${s}_$lr > "$OUT/ws_${s}_$lr.log" 2>&1
+    cp $W/ws_${s}_$lr/warmstart/smollm2-135m-rg/warmstart.json "$OUT/ws_${s}_$lr.json" ) &
+done
+wait
+echo "warm starts done after ${SECONDS}s"
+for f in "$OUT"/ws_*.json; do summary "$f" "$(basename "$f" .json)"; done
+best=$(python - "$OUT" <<'PY'
+import glob, json, sys
+c = [(abs(json.load(open(f))["acc_plain_sampled"] - 0.3), f) for f in glob.glob(f"{sys.argv[1]}/ws_*_*.json")]
+print(min(c)[1].rsplit("/", 1)[1][:-5] if c else "")
+PY
+)
+echo "RL from $best"
+[ -n "$best" ] || exit 1
+for lr in $LRS; do
+  ( gearlab train "${COMMON[@]}" model.name_or_path=$W/$best/warmstart/smollm2-135m-rg assigner=grpo optim.lr=$lr \
+      rollout.prompts_per_step=32 rollout.group_size=8 rollout.batch_size=256 algorithm.micro_batch_size=64 \
+      trainer.precision=bf16-mixed trainer.max_steps=$ITERS trainer.eval_every=10 eval.num_problems=200 eval.k=4 \
+      eval.seed=0 trainer.progress_bar=false trainer.output_dir=$W/rl_$lr > "$OUT/train_$lr.log" 2>&1
+    echo "train lr=$lr rc=$? after ${SECONDS}s" ) &
+done
+wait
+python - "$W" "$OUT" <<'PY'
+import glob, json, sys
+import mlflow
+w, out = sys.argv[1:]
+rows = {}
+for db in sorted(glob.glob(f"{w}/rl_*/mlflow.db")):
+    c = mlflow.MlflowClient(f"sqlite:///{db}")
+    for e in c.search_experiments():
+        for r in c.search_runs([e.experiment_id]):
+            h = {k: [(m.step, round(m.value, 4)) for m in c.get_metric_history(r.info.run_id, k)]
+                 for k in ("eval/avg_at_4", "eval/greedy_accuracy", "train/reward", "time/rollout_s", "time/update_s",
+                           "train/response_len")}
+            label = "grpo lr=" + db.split("/rl_")[-1].split("/")[0]
+            rows[label] = h
+            print(label, json.dumps({k: (v if k.startswith("eval") else v[::4]) for k, v in h.items()}))
+json.dump(rows, open(f"{out}/calibration.json", "w"), indent=1)
+PY
+(cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log)
+echo "total ${SECONDS}s"

@@ -1,0 +1,37 @@
+"""Which dtype the policy's parameters are loaded in (gearlab.models.loading.policy_dtype)."""
+import pytest
+import torch
+
+from gearlab.config import load_config
+from gearlab.models.loading import policy_dtype
+
+
+@pytest.mark.parametrize("dtype,precision,cuda,want", [
+    ("auto", "32-true", False, torch.float32),
+    ("auto", "bf16-mixed", False, torch.float32),
+    ("auto", "32-true", True, torch.bfloat16),
+    # mixed precision keeps fp32 master weights: a bf16 parameter would drop AdamW steps of lr 1e-5
+    ("auto", "bf16-mixed", True, torch.float32),
+    ("auto", "bf16-true", True, torch.bfloat16),
+    ("float32", "32-true", True, torch.float32),
+    ("bfloat16", "bf16-mixed", True, torch.bfloat16),
+    ("bfloat16", "32-true", False, torch.bfloat16),
+])
+def test_policy_dtype(dtype, precision, cuda, want):
+    cfg = load_config([f"model.dtype={dtype}", f"trainer.precision={precision}"])
+    assert policy_dtype(cfg, cuda=cuda) == want
+
+
+def test_a_bfloat16_parameter_drops_an_rl_sized_adamw_step():
+    """Why the master weights stay fp32: the first AdamW step moves each weight by about lr; in bf16 that is lost."""
+    torch.manual_seed(0)
+    w32 = torch.nn.Parameter(torch.randn(4096) * 0.05)
+    w16 = torch.nn.Parameter(w32.detach().to(torch.bfloat16))
+    for w in (w32, w16):
+        opt = torch.optim.AdamW([w], lr=1e-5, weight_decay=0.0)
+        before = w.detach().clone()
+        w.grad = torch.randn_like(w)
+        opt.step()
+        w.moved = (w.detach() != before).float().mean().item()
+    assert w32.moved == 1.0
+    assert w16.moved < 0.1  # 7%: only weights near 0 are fine-grained enough to move
