@@ -5,7 +5,7 @@
 #   3. GRPO from the warm start whose sampled accuracy is nearest 30%, one run per RL learning rate, side by side.
 # Needs, installed earlier in the same warm machine: .whl (wheels.sh whl), .rgw (wheels.sh rg + install-rg), and
 # SmolLM2 (smollm2_bring.sh). Results under $OUT: ws_*.json, train_*.log, calibration.json.
-#   WS="400:2e-4" LRS="1e-5 3e-5 1e-4" ITERS=30 bash experiments/gpu/smollm2_rg_calibrate.sh
+#   WS="400:2e-4" LRS="1e-5 3e-5 1e-4" ITERS=30 PROMPTS=32 bash experiments/gpu/smollm2_rg_calibrate.sh
 # (WS_MIN=M caps each warm start at M minutes; PRE=0 skips the pretrained model's evaluation.)
 set -uo pipefail
 python -c "import gearlab.assigners" 2>/dev/null || python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -1
@@ -13,6 +13,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OU
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 WS=${WS:-"400:2e-4"}; LRS=${LRS:-"1e-5 3e-5 1e-4"}; ITERS=${ITERS:-30}; WS_MIN=${WS_MIN:-}; PRE=${PRE:-1}
+PROMPTS=${PROMPTS:-32}  # prompts per RL iteration (8 samples each)
 W=${W:-/tmp/cal}; mkdir -p "$W"
 COMMON=(model=smollm2_135m task=rg task.options.dataset=gsm_symbolic rollout.max_new_tokens=256
         warmstart.device=cuda warmstart.bf16=true warmstart.batch_size=64 warmstart.n_eval=200)
@@ -40,7 +41,7 @@ echo "RL from $best"
 [ -n "$best" ] || exit 1
 for lr in $LRS; do
   ( gearlab train "${COMMON[@]}" model.name_or_path=$W/$best/warmstart/smollm2-135m-rg assigner=grpo optim.lr=$lr \
-      rollout.prompts_per_step=32 rollout.group_size=8 rollout.batch_size=256 algorithm.micro_batch_size=64 \
+      rollout.prompts_per_step=$PROMPTS rollout.group_size=8 rollout.batch_size=$((PROMPTS * 8)) algorithm.micro_batch_size=64 \
       trainer.precision=bf16-mixed trainer.max_steps=$ITERS trainer.eval_every=10 eval.num_problems=200 eval.k=4 \
       eval.seed=0 trainer.progress_bar=false trainer.output_dir=$W/rl_$lr > "$OUT/train_$lr.log" 2>&1
     echo "train lr=$lr rc=$? after ${SECONDS}s" ) &
@@ -57,7 +58,8 @@ for db in sorted(glob.glob(f"{w}/rl_*/mlflow.db")):
         for r in c.search_runs([e.experiment_id]):
             h = {k: [(m.step, round(m.value, 4)) for m in c.get_metric_history(r.info.run_id, k)]
                  for k in ("eval/avg_at_4", "eval/greedy_accuracy", "train/reward", "time/rollout_s", "time/update_s",
-                           "train/response_len")}
+                           "train/response_len", "train/frac_zero_std", "update/grad_norm",
+                           "update/engine_lp_diff_abs", "update/engine_kl_k3")}
             label = "grpo lr=" + db.split("/rl_")[-1].split("/")[0]
             rows[label] = h
             print(label, json.dumps({k: (v if k.startswith("eval") else v[::4]) for k, v in h.items()}))
