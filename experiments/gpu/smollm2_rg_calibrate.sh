@@ -14,6 +14,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 WS=${WS:-"400:2e-4"}; LRS=${LRS:-"1e-5 3e-5 1e-4"}; ITERS=${ITERS:-30}; WS_MIN=${WS_MIN:-}; PRE=${PRE:-1}
 PROMPTS=${PROMPTS:-32}  # prompts per RL iteration (8 samples each)
+# the RL runs stop cleanly (checkpoint, metrics kept) at this time, so that the summary below is written within
+# BUDGET_S seconds of the start: keep BUDGET_S under the device call's limit
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-540} - 40 ))
 W=${W:-/tmp/cal}; mkdir -p "$W"
 COMMON=(model=smollm2_135m task=rg task.options.dataset=gsm_symbolic rollout.max_new_tokens=256
         warmstart.device=cuda warmstart.bf16=true warmstart.batch_size=64 warmstart.n_eval=200)
@@ -43,7 +46,8 @@ for lr in $LRS; do
   ( gearlab train "${COMMON[@]}" model.name_or_path=$W/$best/warmstart/smollm2-135m-rg assigner=grpo optim.lr=$lr \
       rollout.prompts_per_step=$PROMPTS rollout.group_size=8 rollout.batch_size=$((PROMPTS * 8)) algorithm.micro_batch_size=64 \
       trainer.precision=bf16-mixed trainer.max_steps=$ITERS trainer.eval_every=10 eval.num_problems=200 eval.k=4 \
-      eval.seed=0 trainer.progress_bar=false trainer.output_dir=$W/rl_$lr > "$OUT/train_$lr.log" 2>&1
+      eval.seed=0 trainer.progress_bar=false trainer.output_dir=$W/rl_$lr trainer.deadline=$DEADLINE \
+      > "$OUT/train_$lr.log" 2>&1
     echo "train lr=$lr rc=$? after ${SECONDS}s" ) &
 done
 wait
