@@ -52,9 +52,11 @@ def test_the_benchmarks_timing_hook_reads_what_the_trainer_logs(tmp_path):
     sys.path.insert(0, str(bench))
     try:
         from engines_table import table
-        from trl_vs_gearlab import timed_module
+        from trl_vs_gearlab import scaled_micro, timed_module
     finally:
         sys.path.remove(str(bench))
+    # the reasoning-length runs shrink every variant's micro-batch alike (64 at 2,048 tokens ran out of memory)
+    assert [scaled_micro(64, n) for n in (128, 256, 1024, 2048)] == [64, 64, 16, 8] and scaled_micro(8, 2048) == 8
     assert list(inspect.signature(GRPOModule._log_iteration).parameters)[-1] == "upd"
     times: list[dict] = []
     hook = timed_module(GRPOModule, times)._log_iteration

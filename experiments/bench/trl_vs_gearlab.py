@@ -24,7 +24,8 @@ names ``gearlab``,
 ``gearlab_static``, ``gearlab_static_compiled``, ``trl`` and ``trl_static`` remain. Iteration 1 (compilation,
 graph capture) is excluded by the median. ``--profile`` adds, for the fast variants, a torch.profiler trace of
 one decode step summarised as CUDA kernel time vs wall time, kernels per step and the ten costliest kernels
-([ms per step, launches per step]). ``--md`` writes the Markdown table.
+([ms per step, launches per step]). ``--md`` writes the Markdown table. ``--new N`` sets the completion length;
+beyond 256 every variant's micro-batch shrinks in proportion (``scaled_micro``: 64 → 16 at 1,024, 8 at 2,048).
 """
 from __future__ import annotations
 
@@ -282,13 +283,22 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
+def scaled_micro(micro: int, new: int) -> int:
+    """The micro-batch at ``new`` tokens: the variant's own at 256, shrunk in proportion beyond (at least 8), so that
+    the update's activations stay about the size measured at 256 tokens (micro-batch 64 at 2,048 tokens needed more
+    than the H200's 139.8 GiB)."""
+    return max(8, micro * 256 // max(new, 256))
+
+
 def run_variant(name: str, model_dir: Path, work: Path, iters: int, profile: bool) -> dict:
     runner, opts = VARIANTS[name]
+    opts = dict(opts, micro=scaled_micro(opts.get("micro", 8), NEW))  # TRL and gearlab alike
     if runner == "trl":
         import trl
 
         return {**run_trl(model_dir, iters, work / name, **opts), "trl_version": trl.__version__}
-    return run_gearlab(model_dir, iters, profile=profile and opts.get("engine") == "fast", **opts)
+    return {**run_gearlab(model_dir, iters, profile=profile and opts.get("engine") == "fast", **opts),
+            "micro_batch": opts["micro"]}
 
 
 def markdown(res: dict) -> str:
