@@ -49,8 +49,8 @@ from gearlab.signals.registry import Signal, SignalContext, register_signal
 if TYPE_CHECKING:
     from gearlab.tasks.base import Problem, Task
 
-__all__ = ["ANSWER_MARKER", "ResponseSegments", "response_segments", "answer_positions", "reasoning_mask_signal",
-           "error_token_mask", "locate_errors"]
+__all__ = ["ANSWER_MARKER", "ANSWER_SPAN_MASK", "ANSWER_VALUE_MASK", "ResponseSegments", "response_segments",
+           "answer_positions", "reasoning_mask_signal", "error_token_mask", "locate_errors"]
 
 ANSWER_MARKER = "Answer:"
 
@@ -162,6 +162,24 @@ def reasoning_mask_signal(ctx: SignalContext) -> Tensor:
     b = ctx.batch
     reasoning, _ = answer_positions(ctx.tokenizer, b.response_ids, b.response_mask)
     return reasoning.float()
+
+
+ANSWER_SPAN_MASK = "answer_span_mask"
+ANSWER_VALUE_MASK = "answer_value_mask"
+
+
+@register_signal(ANSWER_SPAN_MASK, fake="mask")
+def answer_span_mask_signal(ctx: SignalContext) -> Tensor:
+    """``answer_span_mask``: 1.0 on the final-answer span ("Answer: 36": marker and value), else 0."""
+    b = ctx.batch
+    return response_segments(ctx.tokenizer, b.response_ids, b.response_mask).answer.float()
+
+
+@register_signal(ANSWER_VALUE_MASK, fake="mask")
+def answer_value_mask_signal(ctx: SignalContext) -> Tensor:
+    """``answer_value_mask``: 1.0 on the value tokens of the final-answer span ("36" of "Answer: 36"), else 0."""
+    b = ctx.batch
+    return response_segments(ctx.tokenizer, b.response_ids, b.response_mask).value.float()
 
 
 # ---------------------------------------------------------------------------------------------- error spans
