@@ -84,7 +84,11 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
         a.setup(seed=seed, total_steps=1, task=task)
         ctx = a.teacher_context if needs_teacher(a) else "none"
         batch = rb
-        if ctx != "none":
+        if ctx == "sibling":  # each row's own teacher prompt, with a correct response of its group (sdpo)
+            rows = [p for p in problems for _ in range(group_size)]
+            tids, tmask = engine.encode_sibling_prompts(rows, rb.meta["texts"], rb.rewards, group_size)
+            batch = rb.with_(teacher_prompt_ids=tids, teacher_prompt_mask=tmask)
+        elif ctx != "none":
             tids, tmask = engine.encode_prompts(problems, privileged=ctx)
             batch = rb.with_(teacher_prompt_ids=tids.repeat_interleave(group_size, 0),
                              teacher_prompt_mask=tmask.repeat_interleave(group_size, 0))

@@ -127,3 +127,24 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
         mask[i, width - len(r):] = 1
     return ids, mask
+
+
+# SDPO's teacher context (TRL's SDPOConfig defaults: reprompt_template and solution_template, no feedback)
+SIBLING_TEMPLATE = "{prompt}\nCorrect solution:\n\n{solution}\n\n\n\nCorrectly solve the original question.\n"
+
+
+def sibling_demonstrations(rewards: Tensor, group_size: int) -> list[int | None]:
+    """For each row of consecutive groups of ``group_size``: the first other row of its group (in batch order) whose
+    reward is at least 1, or None (TRL's ``success_reward_threshold=1.0`` and ``dont_reprompt_on_self_success``)."""
+    ok = (rewards.detach().float().cpu() >= 1.0).tolist()
+    out: list[int | None] = []
+    for i in range(len(ok)):
+        start = i - i % group_size
+        out.append(next((j for j in range(start, start + group_size) if j != i and ok[j]), None))
+    return out
+
+
+def sibling_reprompt(prompt: str, solution: str) -> str:
+    """The teacher's user message: the question, then a correct response of the group as a worked solution."""
+    return SIBLING_TEMPLATE.format(prompt=prompt, solution=solution)
+

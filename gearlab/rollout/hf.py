@@ -18,7 +18,7 @@ from transformers import LogitsProcessor
 from gearlab.core.batch import RolloutBatch
 from gearlab.parallel.distributed import global_max_int
 from gearlab.rollout.base import (STATIC_PAD, SamplingParams, TokenGenerator, idle_prompt, left_pad, pad_left_to,
-                                  row_seeds, stop_token_ids, trim_left)
+                                  row_seeds, sibling_demonstrations, sibling_reprompt, stop_token_ids, trim_left)
 from gearlab.rollout.sampler import sample_rows
 from gearlab.tasks.base import Problem, Task
 
@@ -43,17 +43,29 @@ class HFRolloutEngine:
 
     def encode_prompts(self, problems: Sequence[Problem], *, privileged: bool | str = False) -> tuple[Tensor, Tensor]:
         """Chat-formatted, left-padded prompt ids and mask [N, P]."""
-        rows = []
-        for p in problems:
-            msgs = self.task.messages(p, privileged=privileged)
-            if getattr(self.tok, "chat_template", None):
-                ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-                if hasattr(ids, "keys"):  # transformers ≥5 may return a BatchEncoding
-                    ids = ids["input_ids"]
-            else:
-                ids = self.tok("\n".join(m["content"] for m in msgs) + "\n", add_special_tokens=True)["input_ids"]
-            rows.append(list(ids))
-        return left_pad(rows, self.tok.pad_token_id)
+        return left_pad([self._encode_chat(self.task.messages(p, privileged=privileged)) for p in problems],
+                        self.tok.pad_token_id)
+
+    def _encode_chat(self, msgs: list[dict[str, str]]) -> list[int]:
+        """One chat's prompt ids (the chat template with the generation prompt; plain lines without a template)."""
+        if getattr(self.tok, "chat_template", None):
+            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers ≥5: maybe a BatchEncoding
+        return list(self.tok("\n".join(m["content"] for m in msgs) + "\n", add_special_tokens=True)["input_ids"])
+
+    def encode_sibling_prompts(self, rows: Sequence[Problem], texts: Sequence[str], rewards: Tensor,
+                               group_size: int) -> tuple[Tensor, Tensor]:
+        """Teacher prompts [N, P'] for rows of consecutive groups of ``group_size``: the row's chat with its last user
+        message followed by the first correct response of its group other than its own (gearlab.rollout.base.
+        sibling_demonstrations; the row keeps its plain prompt when there is none)."""
+        demos = sibling_demonstrations(rewards, group_size)
+        out = []
+        for p, d in zip(rows, demos):
+            msgs = self.task.messages(p)
+            if d is not None:
+                msgs = [*msgs[:-1], {**msgs[-1], "content": sibling_reprompt(msgs[-1]["content"], texts[d])}]
+            out.append(self._encode_chat(msgs))
+        return left_pad(out, self.tok.pad_token_id)
 
     def _stop_ids(self) -> list[int]:
         return stop_token_ids(self.tok)
@@ -167,7 +179,10 @@ class HFRolloutEngine:
         texts = self.tok.batch_decode(resp.masked_fill(~rmask, self.tok.pad_token_id), skip_special_tokens=True)
         rewards = self.score(expanded, texts)
         teacher = {}
-        if with_teacher:
+        if with_teacher == "sibling":  # each row's own teacher prompt: a correct response of its group (SDPO)
+            tids, tmask = self.encode_sibling_prompts(expanded, texts, rewards, group_size)
+            teacher = dict(teacher_prompt_ids=tids, teacher_prompt_mask=tmask)
+        elif with_teacher:
             tids, tmask = self.encode_prompts(problems, privileged=with_teacher)
             teacher = dict(teacher_prompt_ids=rep(tids), teacher_prompt_mask=rep(tmask))
         group_ids = torch.arange(len(problems)).repeat_interleave(group_size) + group_offset

@@ -266,6 +266,8 @@ class MultiTurnRolloutEngine(HFRolloutEngine):
         self.last_reward_errors = errors
         prompt_ids, prompt_mask = left_pad([e.prompt for e in episodes], pad)
         teacher = {}
+        if with_teacher == "sibling":
+            raise ValueError("the sibling-solution teacher context (sdpo) is single-turn only")
         if with_teacher:
             tids, tmask = self.encode_prompts([e.problem for e in episodes], privileged=with_teacher)
             teacher = dict(teacher_prompt_ids=tids, teacher_prompt_mask=tmask)
