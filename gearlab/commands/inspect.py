@@ -77,7 +77,7 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
     seq_adv = group_advantages(rb.rewards, rb.group_ids)
     provider = SignalProvider(model, temperature=temperature, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
                               tokenizer=tokenizer)
-    cache: dict[tuple[str, Signal], torch.Tensor] = {}
+    cache: dict[tuple[str, Signal, tuple], torch.Tensor] = {}
     out: dict[str, Any] = {"seq_adv": seq_adv, "credit": {}, "signals": {}, "segments": {}, "metrics": {}}
     for name in names:
         a = build_method(name)
@@ -92,14 +92,16 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
             tids, tmask = engine.encode_prompts(problems, privileged=ctx)
             batch = rb.with_(teacher_prompt_ids=tids.repeat_interleave(group_size, 0),
                              teacher_prompt_mask=tmask.repeat_interleave(group_size, 0))
-        todo = frozenset(s for s in a.needs if (ctx, s) not in cache)
+        # a signal computed with other options (e.g. shear's span length, OAR's pfinal_mode) is another signal
+        opts = tuple(sorted((k, repr(v)) for k, v in a.signal_options().items()))
+        todo = frozenset(s for s in a.needs if (ctx, s, opts) not in cache)
         if todo:
             resampler = (resampler_of_groups(engine, model, rb, problems, group_size, sampling)
                          if needs_resampler(todo) else None)
             _, sig = provider.compute(batch, todo, with_logprobs=False, options={"seed": seed, **a.signal_options()},
                                       resampler=resampler)
-            cache.update({(ctx, s): v for s, v in sig.items()})
-        res = a.assign(batch, seq_adv, {s: cache[(ctx, s)] for s in a.needs})
+            cache.update({(ctx, s, opts): v for s, v in sig.items()})
+        res = a.assign(batch, seq_adv, {s: cache[(ctx, s, opts)] for s in a.needs})
         adv = res.token_advantages.float()
         if res.loss_mask is not None:  # tokens outside the loss mask get no gradient: their effective credit is 0
             adv = adv * (res.loss_mask.bool() & batch.response_mask).float()
@@ -107,7 +109,7 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
         out["metrics"][name] = {k: float(v) for k, v in res.metrics.items()}
         if getattr(a, "last_segments", None) is not None:
             out["segments"][name] = a.last_segments
-    for (ctx, s), v in cache.items():
+    for (ctx, s, _), v in cache.items():
         if s in TRACE_SIGNALS:
             out["signals"][TRACE_SIGNALS[s]] = v
     return out

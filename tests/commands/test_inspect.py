@@ -211,3 +211,22 @@ def test_png_has_a_colour_bar_and_shows_informative_samples_first(tmp_path):
 def test_shared_scale_is_a_config_key():
     assert load_config([]).inspect.shared_scale is False
     assert load_config(["inspect.shared_scale=true"]).inspect.shared_scale is True
+
+
+def test_two_labels_of_one_method_get_their_own_signals(tmp_path, tiny_model_dir, monkeypatch):
+    """A signal computed with another method label's options is another signal: shear with one span per response
+    and with 4-token spans must not share the cached span distances (they once did)."""
+    import hashlib
+
+    from gearlab.tasks.arithmetic import ArithmeticTask
+
+    # a random tiny model is never right: reward a hash of the text, so that groups have both outcomes
+    monkeypatch.setattr(ArithmeticTask, "reward", lambda self, p, c: float(hashlib.sha256(c.encode()).digest()[0] % 2))
+    cfg = load_config([f"model.name_or_path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
+                       f"inspect.out_dir={tmp_path / 'insp'}", "inspect.prompts=2", "rollout.group_size=4",
+                       "rollout.max_new_tokens=12", "inspect.assigners=[shear,'shear:span_len=4,stride=2']"])
+    inspect(cfg)
+    rec = json.loads((tmp_path / "insp" / "credit.json").read_text())
+    a, b = "shear", "shear:span_len=4,stride=2"
+    assert rec["assigners"] == [a, b]
+    assert any(s["credit"][a] != s["credit"][b] for s in rec["samples"] if s["seq_advantage"] != 0)
