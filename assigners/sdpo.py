@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from gearlab.core.batch import RolloutBatch
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, register
 from gearlab.credit.options import option
+from gearlab.rollout.base import sibling_demonstrations
 
 
 @dataclass
@@ -34,10 +36,9 @@ class SDPOOptions:
 
 
 def has_sibling_demo(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """[B] bool: another response of the row's group has reward ≥ 1 (the rows whose teacher saw a solution)."""
-    ok = (rewards.float() >= 1.0).float()
-    same = group_ids[:, None] == group_ids[None, :]
-    return (same.float() @ ok - ok) > 0
+    """[B] bool: rows whose teacher saw a solution (the engine's rule, rollout.base.sibling_demonstrations)."""
+    demos = sibling_demonstrations(rewards, group_ids)
+    return torch.tensor([d is not None for d in demos], device=rewards.device)
 
 
 @register("sdpo")

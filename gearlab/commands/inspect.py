@@ -86,7 +86,7 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
         batch = rb
         if ctx == "sibling":  # each row's own teacher prompt, with a correct response of its group (sdpo)
             rows = [p for p in problems for _ in range(group_size)]
-            tids, tmask = engine.encode_sibling_prompts(rows, rb.meta["texts"], rb.rewards, group_size)
+            tids, tmask = engine.encode_sibling_prompts(rows, rb.meta["texts"], rb.rewards, rb.group_ids)
             batch = rb.with_(teacher_prompt_ids=tids, teacher_prompt_mask=tmask)
         elif ctx != "none":
             tids, tmask = engine.encode_prompts(problems, privileged=ctx)

@@ -133,15 +133,13 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
 SIBLING_TEMPLATE = "{prompt}\nCorrect solution:\n\n{solution}\n\n\n\nCorrectly solve the original question.\n"
 
 
-def sibling_demonstrations(rewards: Tensor, group_size: int) -> list[int | None]:
-    """For each row of consecutive groups of ``group_size``: the first other row of its group (in batch order) whose
-    reward is at least 1, or None (TRL's ``success_reward_threshold=1.0`` and ``dont_reprompt_on_self_success``)."""
+def sibling_demonstrations(rewards: Tensor, group_ids: Tensor) -> list[int | None]:
+    """For each row: the first other row of its group (in batch order) whose reward is at least 1, or None (TRL's
+    ``success_reward_threshold=1.0`` and ``dont_reprompt_on_self_success``)."""
     ok = (rewards.detach().float().cpu() >= 1.0).tolist()
-    out: list[int | None] = []
-    for i in range(len(ok)):
-        start = i - i % group_size
-        out.append(next((j for j in range(start, start + group_size) if j != i and ok[j]), None))
-    return out
+    groups = group_ids.detach().cpu().tolist()
+    return [next((j for j, (gj, okj) in enumerate(zip(groups, ok)) if j != i and gj == g and okj), None)
+            for i, g in enumerate(groups)]
 
 
 def sibling_reprompt(prompt: str, solution: str) -> str:

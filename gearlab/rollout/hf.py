@@ -54,11 +54,11 @@ class HFRolloutEngine:
         return list(self.tok("\n".join(m["content"] for m in msgs) + "\n", add_special_tokens=True)["input_ids"])
 
     def encode_sibling_prompts(self, rows: Sequence[Problem], texts: Sequence[str], rewards: Tensor,
-                               group_size: int) -> tuple[Tensor, Tensor]:
-        """Teacher prompts [N, P'] for rows of consecutive groups of ``group_size``: the row's chat with its last user
-        message followed by the first correct response of its group other than its own (gearlab.rollout.base.
-        sibling_demonstrations; the row keeps its plain prompt when there is none)."""
-        demos = sibling_demonstrations(rewards, group_size)
+                               group_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Teacher prompts [N, P']: each row's chat with its last user message followed by the first correct response
+        of its group other than its own (gearlab.rollout.base.sibling_demonstrations; the row keeps its plain prompt
+        when there is none)."""
+        demos = sibling_demonstrations(rewards, group_ids)
         out = []
         for p, d in zip(rows, demos):
             msgs = self.task.messages(p)
@@ -178,14 +178,14 @@ class HFRolloutEngine:
         resp, rmask, engine_lp = self.sample_with_logprobs(model, prompt_ids, prompt_mask, sampling, seed)
         texts = self.tok.batch_decode(resp.masked_fill(~rmask, self.tok.pad_token_id), skip_special_tokens=True)
         rewards = self.score(expanded, texts)
+        group_ids = torch.arange(len(problems)).repeat_interleave(group_size) + group_offset
         teacher = {}
         if with_teacher == "sibling":  # each row's own teacher prompt: a correct response of its group (SDPO)
-            tids, tmask = self.encode_sibling_prompts(expanded, texts, rewards, group_size)
+            tids, tmask = self.encode_sibling_prompts(expanded, texts, rewards, group_ids)
             teacher = dict(teacher_prompt_ids=tids, teacher_prompt_mask=tmask)
         elif with_teacher:
             tids, tmask = self.encode_prompts(problems, privileged=with_teacher)
             teacher = dict(teacher_prompt_ids=rep(tids), teacher_prompt_mask=rep(tmask))
-        group_ids = torch.arange(len(problems)).repeat_interleave(group_size) + group_offset
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=rmask,
             group_ids=group_ids, rewards=rewards, rollout_logprobs=engine_lp, **teacher,

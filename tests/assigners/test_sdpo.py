@@ -63,16 +63,17 @@ def test_gradient_equals_trls_loss_blend(seed, lam):
 
 def test_sibling_demonstrations_and_the_teacher_prompt(tokenizer):
     rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
-    assert sibling_demonstrations(rewards, 4) == [1, 2, 1, 1, 6, 6, None, 6]  # first correct other row, in order
+    groups = torch.arange(8) // 4
+    assert sibling_demonstrations(rewards, groups) == [1, 2, 1, 1, 6, 6, None, 6]  # first correct other row, in order
     task = ArithmeticTask()
     engine = HFRolloutEngine(tokenizer, task)
     probs = task.problems("test", 2, seed=0)
     rows = [p for p in probs for _ in range(4)]
     texts = [f"response {i}" for i in range(8)]
-    tids, tmask = engine.encode_sibling_prompts(rows, texts, rewards, 4)
+    tids, tmask = engine.encode_sibling_prompts(rows, texts, rewards, groups)
     plain, pmask = engine.encode_prompts(rows)
     decoded = [tokenizer.decode(r[m.bool()]) for r, m in zip(tids, tmask)]
-    for i, d in enumerate(sibling_demonstrations(rewards, 4)):
+    for i, d in enumerate(sibling_demonstrations(rewards, groups)):
         if d is None:  # no correct sibling: the plain prompt
             assert tids[i][tmask[i].bool()].tolist() == plain[i][pmask[i].bool()].tolist()
         else:
