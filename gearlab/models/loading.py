@@ -60,6 +60,14 @@ def policy_dtype(cfg: Config, *, cuda: bool) -> torch.dtype:
     return torch.bfloat16
 
 
+def warn_bf16_training(model: torch.nn.Module, lr: float) -> None:
+    """Warn when bf16 parameters are about to be trained at a learning rate whose AdamW steps they cannot hold."""
+    if next(model.parameters()).dtype == torch.bfloat16 and lr < 1e-4:
+        log.warning("the policy's parameters are bfloat16: AdamW steps of lr %g fall below bfloat16's resolution for "
+                    "most weights and are lost; train with fp32 master weights (trainer.precision=bf16-mixed, "
+                    "model.dtype=auto or float32)", lr)
+
+
 def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Module, Any, str]:
     """(model, tokenizer, model name). Embedded models are made (and warm-started) on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 from gearlab import credit
 from gearlab.config import Config, ConfigError, check_output_dir, to_yaml
 from gearlab.credit.options import OptionError
-from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, load_policy
+from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, load_policy, warn_bf16_training
 from gearlab.models.prompt_length import check_prompt_lengths, check_task_prompts
 from gearlab.parallel import distributed
 from gearlab.rollout.factory import resolve_engine
@@ -351,10 +351,7 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     model, tok, model_name = load_policy(cfg)
-    if next(model.parameters()).dtype == torch.bfloat16 and cfg.optim.lr < 1e-4:
-        log.warning("the policy's parameters are bfloat16: AdamW steps of lr %g fall below bfloat16's resolution for "
-                    "most weights and are lost; train with fp32 master weights (trainer.precision=bf16-mixed, "
-                    "model.dtype=auto or float32)", cfg.optim.lr)
+    warn_bf16_training(model, cfg.optim.lr)
     if not prompts_checked:  # the tokenizer could not be read before the model loaded (a hub id, a new embedded model)
         check_prompt_lengths(cfg, task, tok, model.config)
     # auto → fast | hf, before config.yaml and the MLflow params are written: they record the engine that ran

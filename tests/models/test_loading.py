@@ -35,3 +35,13 @@ def test_a_bfloat16_parameter_drops_an_rl_sized_adamw_step():
         w.moved = (w.detach() != before).float().mean().item()
     assert w32.moved == 1.0
     assert w16.moved < 0.1  # 7%: only weights near 0 are fine-grained enough to move
+
+
+def test_training_bf16_parameters_at_a_small_lr_warns(caplog):
+    from gearlab.models.loading import warn_bf16_training
+
+    with caplog.at_level("WARNING", logger="gearlab"):
+        warn_bf16_training(torch.nn.Linear(2, 2).to(torch.bfloat16), 1e-5)
+        warn_bf16_training(torch.nn.Linear(2, 2), 1e-5)  # fp32 master weights: nothing to say
+        warn_bf16_training(torch.nn.Linear(2, 2).to(torch.bfloat16), 1e-3)
+    assert len(caplog.records) == 1 and "bfloat16" in caplog.records[0].getMessage()
