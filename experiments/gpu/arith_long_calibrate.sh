@@ -21,19 +21,5 @@ for lr in $LRS; do
       trainer.output_dir=$W/tr$lr > "$OUT/train_lr$lr.log" 2>&1; echo "train lr=$lr rc=$?" ) &
 done
 wait
-python - "$W" "$OUT" <<'PY'
-import glob, json, sys
-import mlflow
-w, out = sys.argv[1:]
-rows = {}
-for db in sorted(glob.glob(f"{w}/tr*/mlflow.db")):
-    c = mlflow.MlflowClient(f"sqlite:///{db}")
-    for e in c.search_experiments():
-        for r in c.search_runs([e.experiment_id]):
-            h = {k: [(m.step, round(m.value, 4)) for m in c.get_metric_history(r.info.run_id, k)]
-                 for k in ("eval/avg@4", "eval/greedy_accuracy", "train/reward", "time/rollout_s", "time/update_s", "train/response_len")}
-            label = "grpo lr=" + db.split("/tr")[-1].split("/")[0]
-            rows[label] = h
-            print(label, json.dumps({k: (v if k.startswith("eval") else v[::5]) for k, v in h.items()}))
-json.dump(rows, open(f"{out}/calibration.json", "w"), indent=1)
-PY
+python experiments/gpu/rl_histories.py "$OUT/calibration.json" /tr "$W/tr*/mlflow.db" eval/avg@4 \
+  eval/greedy_accuracy train/reward time/rollout_s time/update_s train/response_len

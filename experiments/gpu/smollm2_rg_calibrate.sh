@@ -51,23 +51,8 @@ for lr in $LRS; do
     echo "train lr=$lr rc=$? after ${SECONDS}s" ) &
 done
 wait
-python - "$W" "$OUT" <<'PY'
-import glob, json, sys
-import mlflow
-w, out = sys.argv[1:]
-rows = {}
-for db in sorted(glob.glob(f"{w}/rl_*/mlflow.db")):
-    c = mlflow.MlflowClient(f"sqlite:///{db}")
-    for e in c.search_experiments():
-        for r in c.search_runs([e.experiment_id]):
-            h = {k: [(m.step, round(m.value, 4)) for m in c.get_metric_history(r.info.run_id, k)]
-                 for k in ("eval/avg_at_4", "eval/greedy_accuracy", "train/reward", "time/rollout_s", "time/update_s",
-                           "train/response_len", "train/frac_zero_std", "update/grad_norm",
-                           "update/engine_lp_diff_abs", "update/engine_kl_k3")}
-            label = "grpo lr=" + db.split("/rl_")[-1].split("/")[0]
-            rows[label] = h
-            print(label, json.dumps({k: (v if k.startswith("eval") else v[::4]) for k, v in h.items()}))
-json.dump(rows, open(f"{out}/calibration.json", "w"), indent=1)
-PY
+python experiments/gpu/rl_histories.py "$OUT/calibration.json" /rl_ "$W/rl_*/mlflow.db" eval/avg_at_4 \
+  eval/greedy_accuracy train/reward time/rollout_s time/update_s train/response_len train/frac_zero_std \
+  update/grad_norm update/engine_lp_diff_abs update/engine_kl_k3
 (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log)
 echo "total ${SECONDS}s"
