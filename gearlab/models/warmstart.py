@@ -10,6 +10,7 @@ the plain-prompt accuracy partial, which is the regime where RL has signal.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -33,6 +34,7 @@ __all__ = [
     "sft_loss",
     "evaluate_accuracy",
     "warmstart",
+    "deterministic_kernels",
 ]
 
 
@@ -185,6 +187,84 @@ def _lr_at(step: int, progress: float, lr: float, warmup: int, min_ratio: float 
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+@contextlib.contextmanager
+def deterministic_kernels(dev: torch.device) -> Iterator[None]:
+    """On CUDA, deterministic kernels for the body (the previous setting restored after): the same warm start on
+    every machine of one card kind, which ``gearlab compare`` checks by digest. Attention runs on SDPA's math
+    backend: the fused backwards (cuDNN, flash, memory-efficient) keep non-deterministic reductions unless
+    deterministic algorithms are enforced without ``warn_only``, which would make every other op without a
+    deterministic kernel an error. (Two 100-step SmolLM2 warm starts on two H200s differed through cuDNN attention's
+    backward.) A no-op elsewhere: the CPU kernels are pinned by ``gearlab.cpu_kernels``."""
+    if dev.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS makes its first handle
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
+def _sft_loop(model: Any, tokenizer: Any, task: Task, out: Path, dev: torch.device, *, steps: int, batch_size: int,
+              lr: float, seed: int, max_minutes: float | None, log_every: int, privileged_fraction: float,
+              warmup_steps: int, weight_decay: float, bf16: bool) -> list[float]:
+    """The SFT steps of `warmstart` (AdamW, linear warmup then cosine decay, grad norm clipped at 1): the loss of
+    each step done. Stops early after ``max_minutes`` of training; raises `Stopped` on a stop signal."""
+    # One stream of train problems for the whole run, deterministic in `seed`.
+    problems = task.problems("train", steps * batch_size, seed=seed)
+    rng = random.Random(seed)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        fused=True,  # the same digits on every CPU class (gearlab.cpu_kernels)
+    )
+    model.train()
+    losses: list[float] = []
+    t_train = time.perf_counter()
+    for step in range(steps):
+        if signum := pending_stop():  # a Ctrl-C / SIGTERM to `gearlab train` or `compare` while it warm-starts
+            raise Stopped(signum, f"the warm start of {out} (step {step} of {steps}; nothing was written)")
+        elapsed = time.perf_counter() - t_train
+        if max_minutes is not None and elapsed > 60 * max_minutes:
+            break
+        # With a time cap the schedule follows whichever budget runs out first, so a run cut
+        # short on a busy machine still ends with a decayed learning rate.
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        if max_minutes is not None:
+            progress = max(progress, elapsed / (60 * max_minutes))
+        chunk = problems[step * batch_size : (step + 1) * batch_size]
+        batch = collate_sft(
+            [encode_sft_example(tokenizer, task, p, rng.random() < privileged_fraction) for p in chunk],
+            tokenizer.pad_token_id,
+        )
+        batch = {k: v.to(dev) for k, v in batch.items()}
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, progress, lr, warmup_steps)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = sft_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(
+                f"[warmstart] step {step:4d}/{steps}  loss {loss.item():.4f}  "
+                f"lr {opt.param_groups[0]['lr']:.2e}  {time.perf_counter() - t_train:.1f}s",
+                flush=True,
+            )
+    return losses
+
+
 def warmstart(
     out_dir: str | Path,
     *,
@@ -245,62 +325,14 @@ def warmstart(
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
-    if dev.type == "cuda":  # deterministic kernels: the same start on every machine of one kind (compare checks it)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        was_deterministic = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)
     model.to(dev)
-
-    # One stream of train problems for the whole run, deterministic in `seed`.
-    problems = task.problems("train", steps * batch_size, seed=seed)
-    rng = random.Random(seed)
-
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.98),
-        fused=True,  # the same digits on every CPU class (gearlab.cpu_kernels)
-    )
-    model.train()
-    losses: list[float] = []
     t_train = time.perf_counter()
-    for step in range(steps):
-        if signum := pending_stop():  # a Ctrl-C / SIGTERM to `gearlab train` or `compare` while it warm-starts
-            raise Stopped(signum, f"the warm start of {out} (step {step} of {steps}; nothing was written)")
-        elapsed = time.perf_counter() - t_train
-        if max_minutes is not None and elapsed > 60 * max_minutes:
-            break
-        # With a time cap the schedule follows whichever budget runs out first, so a run cut
-        # short on a busy machine still ends with a decayed learning rate.
-        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-        if max_minutes is not None:
-            progress = max(progress, elapsed / (60 * max_minutes))
-        chunk = problems[step * batch_size : (step + 1) * batch_size]
-        batch = collate_sft(
-            [encode_sft_example(tokenizer, task, p, rng.random() < privileged_fraction) for p in chunk],
-            tokenizer.pad_token_id,
-        )
-        batch = {k: v.to(dev) for k, v in batch.items()}
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, progress, lr, warmup_steps)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = sft_loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if verbose and log_every and (step % log_every == 0 or step == steps - 1):
-            print(
-                f"[warmstart] step {step:4d}/{steps}  loss {loss.item():.4f}  "
-                f"lr {opt.param_groups[0]['lr']:.2e}  {time.perf_counter() - t_train:.1f}s",
-                flush=True,
-            )
+    with deterministic_kernels(dev):
+        losses = _sft_loop(model, tokenizer, task, out, dev, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                           max_minutes=max_minutes, log_every=log_every if verbose else 0,
+                           privileged_fraction=privileged_fraction, warmup_steps=warmup_steps,
+                           weight_decay=weight_decay, bf16=bf16)
     steps_done = len(losses)
-    if dev.type == "cuda":
-        torch.use_deterministic_algorithms(was_deterministic)
     train_seconds = time.perf_counter() - t_train
 
     result: dict[str, Any] = {

@@ -100,3 +100,25 @@ def test_gearlab_warmstart_fine_tunes_a_pretrained_model_on_the_tasks_demonstrat
     assert res["task"] == "rg" and res["steps"] == 3 and res["n_eval"] == 2 and res["model_dir"] == str(tiny_model_dir)
     before, after = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(dest / "model.safetensors"))
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_cuda_warm_start_runs_deterministic_kernels_and_math_attention_then_restores_them():
+    """The GPU warm start must be the same bits on every machine of one card kind (compare checks its digest): cuDNN
+    attention's backward made two SmolLM2 warm starts on two H200s differ. The flags are process-wide, so the test
+    needs no GPU; on the CPU the context changes nothing (the CPU kernels are pinned elsewhere)."""
+    from torch.backends import cuda as cb
+
+    from gearlab.models.warmstart import deterministic_kernels
+
+    def state():
+        return (torch.are_deterministic_algorithms_enabled(), cb.math_sdp_enabled(), cb.flash_sdp_enabled(),
+                cb.mem_efficient_sdp_enabled(), cb.cudnn_sdp_enabled())
+
+    before = state()
+    assert before[0] is False and before[2] is True  # the defaults this test starts from
+    with deterministic_kernels(torch.device("cpu")):
+        assert state() == before
+    with deterministic_kernels(torch.device("cuda")):
+        assert state() == (True, True, False, False, False)
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert state() == before
