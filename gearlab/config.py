@@ -276,6 +276,10 @@ class CompareConfig:
     # stop the comparison after this many minutes (0 = no limit): running children stop at their next iteration
     # boundary with a checkpoint (trainer.deadline), queued ones are not started; the same command resumes
     max_minutes: float = 0.0
+    # a pretrained model.name_or_path is first fine-tuned on the task's demonstrations (the warmstart settings, as
+    # `gearlab warmstart` does), once; every child starts from that folder. The embedded tiny models are always
+    # warm-started (or copied from the shipped one)
+    warm_start: bool = False
 
 
 @dataclass

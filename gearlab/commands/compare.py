@@ -155,22 +155,34 @@ class _Relay:
                         f"iteration boundary and none starts after them; Ctrl-C again aborts them now\n".encode())
 
 
+def _start_model(cfg: Config) -> str:
+    """The folder every child starts from, made once: an embedded tiny model's warm start (copied when the shipped
+    one matches), a pretrained model fine-tuned on the task's demonstrations (``compare.warm_start``), or
+    ``model.name_or_path`` as it is."""
+    from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart, warmstart_dir
+
+    ref = cfg.model.name_or_path
+    if ref in WARMSTARTED:
+        from gearlab.models.shipped import shipped_matches
+
+        d = embedded_dir(cfg, ref)
+        how = "copying the shipped warm start" if shipped_matches(cfg, ref) else "warm-starting the embedded model"
+    elif cfg.compare.warm_start:
+        d = warmstart_dir(cfg)
+        how = f"fine-tuning {ref} on {cfg.task.name}'s demonstrations ({cfg.warmstart.steps} steps)"
+    else:
+        return ref
+    if not (d / "config.json").is_file():
+        print(f"[compare] {how} into {d}", flush=True)
+        run_warmstart(cfg)
+    return str(d.resolve())
+
+
 def _compare_locked(cfg: Config, base_overrides: list[str], names: list[str], stop: StopSignals, relay: _Relay) -> dict:
-    from gearlab.models.loading import WARMSTARTED, embedded_dir, run_warmstart
     from gearlab.trainer.resume import check_resume
     from gearlab.trainer.train import run_dir
 
-    # the shared initial checkpoint: made once, then every child points at the same folder
-    model_path = cfg.model.name_or_path
-    if model_path in WARMSTARTED:
-        d = embedded_dir(cfg, model_path)
-        if not (d / "config.json").is_file():
-            from gearlab.models.shipped import shipped_matches
-
-            how = "copying the shipped warm start" if shipped_matches(cfg, model_path) else "warm-starting the embedded model"
-            print(f"[compare] {how} into {d}", flush=True)
-            run_warmstart(cfg)
-        model_path = str(d.resolve())
+    model_path = _start_model(cfg)
     from gearlab.models.checkpoints import weights_digest
 
     start_digest = weights_digest(model_path)

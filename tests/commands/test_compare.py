@@ -444,3 +444,26 @@ def test_grid_expands_into_methods_with_their_own_runs(tmp_path):
         methods_of(load_config(["compare.assigners=[grpo,nope]"]))
     with pytest.raises(ConfigError, match="compare.grid.gear"):
         methods_of(load_config(["compare.assigners=[grpo]", "compare.grid.gear=3"]))
+
+
+def test_a_pretrained_model_is_warm_started_once_and_every_child_starts_there(tmp_path, tiny_model_dir, capsys):
+    """compare.warm_start: the pretrained folder is fine-tuned on the task's demonstrations before any child runs,
+    the children train from that folder, and the parent pins its digest (what a resumed call is checked against)."""
+    from gearlab.models.checkpoints import weights_digest
+
+    extra = ("compare.warm_start=true", "warmstart.steps=3", "warmstart.batch_size=4", "warmstart.lr=1e-3",
+             "warmstart.n_eval=0", "trainer.max_steps=1")
+    out, cfg = _run(tmp_path, tiny_model_dir, "ws", "[grpo]", "[0]", *extra)
+    assert out["failed"] == []
+    ws = tmp_path / "warmstart" / f"{tiny_model_dir.name}-arith"
+    assert json.loads((ws / "warmstart.json").read_text())["steps"] == 3
+    assert weights_digest(ws) != weights_digest(tiny_model_dir)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("compare/ws").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("gearlab.role") == "parent")
+    child = next(r for r in runs if r.data.tags.get("assigner") == "grpo")
+    assert parent.data.tags["start_sha256"] == weights_digest(ws)
+    assert child.data.params["model.name_or_path"] == str(ws.resolve())
+    assert "fine-tuning" in capsys.readouterr().out
+    _run(tmp_path, tiny_model_dir, "ws", "[grpo]", "[0]", *extra)  # resumed: the warm start is not redone
+    assert "fine-tuning" not in capsys.readouterr().out
