@@ -172,7 +172,7 @@ fetch_rg() {  # .rgw/: the wheels of RGW, wheels built from RGW_BUILT, the sourc
 install_rg() {  # on the device: the .rgw wheels, then pycosat built from its source, into the image's environment
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .rgw/*.whl &&
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .rgw/*.tar.gz &&
-    "$PY" -c "import reasoning_gym, gguf; print('reasoning-gym', reasoning_gym.__version__, 'ready')"
+    "$PY" -c "import importlib.metadata as m, reasoning_gym, gguf; print('reasoning-gym', m.version('reasoning_gym'), 'ready')"  # its __version__ says 0.1.19 in 0.1.25
 }
 
 check() {  # on the device, after the install: requirements of the carried wheels the environment leaves unmet
