@@ -81,3 +81,17 @@ def test_the_signal_on_a_model_is_deterministic_and_nonnegative(tokenizer, tiny_
 def test_shear_passes_the_contract_kit():
     assert_contract("shear")
     assert_contract("shear", {"span_len": 8, "stride": 2})
+
+
+def test_span_pairs_solved_in_chunks_give_the_values_of_one_batch():
+    """The span pairs are solved a chunk at a time (memory at reasoning lengths); each Sinkhorn problem stops on its
+    own, so a value does not depend on which pairs share its chunk."""
+    from gearlab.signals.span_wasserstein import span_distances
+
+    g = torch.Generator().manual_seed(0)
+    xa, xb = torch.randn(37, 8, generator=g), torch.randn(23, 8, generator=g) + 0.3
+    whole = span_distances(xa, xb, span_len=8, stride=3, eps=0.05)
+    for chunk in (64, 64 * 5, 64 * 7 + 1):  # 1, 5 and 7 pairs at a time
+        torch.testing.assert_close(span_distances(xa, xb, 8, 3, 0.05, chunk_elements=chunk), whole,
+                                   rtol=0, atol=1e-6)
+    assert whole.shape == (11, 6) and bool((whole > 0).all())
