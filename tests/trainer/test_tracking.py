@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import mlflow
@@ -93,7 +94,7 @@ def test_artifact_location_only_for_a_sqlite_store(tmp_path):
 def test_package_versions_is_cheap_and_complete():
     v = package_versions()
     assert set(v) == {"torch", "transformers", "tokenizers", "lightning", "mlflow", "omegaconf", "numpy", "python",
-                      "gearlab",
+                      "reasoning-gym", "gearlab",
                       "cpu_model", "cpu_kernels", "aten_cpu_capability", "mkl_cbwr", "onednn_max_cpu_isa", "cpu_linear",
                       "torch_threads", "cpu_capability", "onednn"}  # the last three because torch is loaded here
     assert v["torch_threads"] == str(torch.get_num_threads())
@@ -102,6 +103,8 @@ def test_package_versions_is_cheap_and_complete():
     assert v["cpu_linear"] == "onednn" and v["onednn"].startswith("v3.")  # the product's library and its version
     assert v["cpu_model"] not in ("", "unknown")
     assert v["mlflow"] == mlflow.__version__ and all(isinstance(x, str) and x for x in v.values())
+    # the distribution's version: reasoning-gym 0.1.25's own __version__ still says 0.1.19
+    assert v["reasoning-gym"] == metadata.version("reasoning-gym") != "missing"
 
 
 def test_runs_url_opens_the_runs_tab_of_the_installed_mlflow_ui():
