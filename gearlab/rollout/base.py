@@ -138,8 +138,11 @@ def sibling_demonstrations(rewards: Tensor, group_ids: Tensor) -> list[int | Non
     ``success_reward_threshold=1.0`` and ``dont_reprompt_on_self_success``)."""
     ok = (rewards.detach().float().cpu() >= 1.0).tolist()
     groups = group_ids.detach().cpu().tolist()
-    return [next((j for j, (gj, okj) in enumerate(zip(groups, ok)) if j != i and gj == g and okj), None)
-            for i, g in enumerate(groups)]
+    solved: dict[int, list[int]] = {}  # group → its first two solved rows, in batch order (one pass, not B²)
+    for j, (g, okj) in enumerate(zip(groups, ok)):
+        if okj and len(solved.setdefault(g, [])) < 2:
+            solved[g].append(j)
+    return [next((j for j in solved.get(g, []) if j != i), None) for i, g in enumerate(groups)]
 
 
 def sibling_reprompt(prompt: str, solution: str) -> str:
