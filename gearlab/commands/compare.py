@@ -174,7 +174,12 @@ def _start_model(cfg: Config) -> str:
         return ref
     if not (d / "config.json").is_file():
         print(f"[compare] {how} into {d}", flush=True)
-        run_warmstart(cfg)
+        # in a process of its own: on a GPU the allocator's cache of the fine-tuning (~100 GiB for SmolLM2-135M on an
+        # H200) would otherwise stay with this process while the children train next to it
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pool.submit(run_warmstart, cfg).result()
     return str(d.resolve())
 
 
