@@ -32,5 +32,7 @@ timeout -s INT $(( BUDGET_S - SECONDS - 15 )) gearlab compare experiment="$EXP" 
 echo "compare rc=$? after ${SECONDS}s"
 grep -E '^\[compare\]|^\||^learning|^power|^signals|rror' "$OUT/compare.log" | tail -60
 tar czf "$OUT/$EXP-store.tgz" -C "$R" mlflow.db mlartifacts && ls -la "$OUT/$EXP-store.tgz"
+mkdir -p "$OUT/logs" && for f in "$R/$EXP"/*/train.log; do  # every child's log (its timings, its error) comes back
+  [[ -f $f ]] && tail -c 300000 "$f" > "$OUT/logs/$(basename "$(dirname "$f")").log"; done
 [[ -d $R/$EXP/report ]] && cp "$R/$EXP/report/report.md" "$R/$EXP/report/curves.png" "$OUT/" 2>/dev/null
 kill %1 2>/dev/null; true
