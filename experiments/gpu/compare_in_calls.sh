@@ -1,38 +1,50 @@
 #!/bin/bash
-# One comparison spread over several device calls of at most 10 minutes (issue 17). Every call runs the same
-# command; each ends itself before the call's limit and can be followed by the next:
+# One comparison spread over several device calls of at most 10 minutes. Every call runs the same command:
 #   bash experiments/gpu/compare_in_calls.sh EXPERIMENT [overrides...]
-# - Children stop cleanly at an iteration boundary at trainer.deadline (now + BUDGET_S - TAIL_S), with a checkpoint;
-#   queued ones are left for the next call. On a machine still warm from the last call, runs/ (checkpoints, the warm
-#   start, the MLflow store) is still there and everything resumes exactly.
-# - On a fresh machine the MLflow store of the last call is restored from .gpu_state/<EXPERIMENT>-store.tgz (carry
+# - The first call on a machine starts `gearlab compare` in a process session of its own (setsid): the device tool
+#   ends what a call leaves running except such a session, so the comparison goes on between calls, with no stop and
+#   restart of its children. Every call then watches it for BUDGET_S seconds (or until it ends) and sends back the
+#   progress, each child's log and a consistent copy of the MLflow store ($OUT/<EXPERIMENT>-store.tgz).
+# - Calls must follow each other within the machine's idle window (30 s): a machine that goes back takes the
+#   children's checkpoints with it.
+# - On a fresh machine the store of the last call is restored from .gpu_state/<EXPERIMENT>-store.tgz (carry
 #   .gpu_state; put the last call's $OUT/<EXPERIMENT>-store.tgz there), the warm start is re-made (deterministic;
 #   `gearlab compare` checks its sha256 against the comparison's), finished children are kept, and a child whose
 #   checkpoint stayed on the old machine starts again from iteration 0.
 # - carry .whl too: wheels the device image lacks (omegaconf, mlflow and its dependencies), for its Python.
 # Give every call of one comparison the same kind of card: the warm start's bits are the card's.
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-575}  # this script's whole run; keep it under the call's timeout_s
-TAIL_S=${TAIL_S:-100}      # after the deadline: the last iteration, a child's final evaluation and credit-eval, packing
+BUDGET_S=${BUDGET_S:-570}  # this call's whole run; keep it under the call's timeout_s
 python -c "import mlflow, omegaconf" 2>/dev/null || python -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -1
 python -c "import gearlab.assigners" 2>/dev/null || python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
 EXP=$1; shift
-R=${RUNS:-runs}; STATE=.gpu_state/$EXP-store.tgz
+R=${RUNS:-runs}; STATE=.gpu_state/$EXP-store.tgz; LOG=$R/$EXP-compare.log; PIDF=$R/$EXP-compare.pid
 mkdir -p "$R" "$OUT"
-if [[ -f $R/mlflow.db ]]; then echo "warm machine: $R/ kept from the last call"
-elif [[ -f $STATE ]]; then tar xzf "$STATE" -C "$R" && echo "fresh machine: store restored from $STATE"
-else echo "fresh machine, new comparison"; fi
+if [[ -f $PIDF ]] && kill -0 "$(cat "$PIDF")" 2>/dev/null; then echo "warm machine: the comparison is running"
+else
+  if [[ -f $R/mlflow.db ]]; then echo "warm machine: $R/ kept, the comparison starts again (resumes)"
+  elif [[ -f $STATE ]]; then tar xzf "$STATE" -C "$R" && echo "fresh machine: store restored from $STATE"
+  else echo "fresh machine, new comparison"; fi
+  setsid gearlab compare experiment="$EXP" trainer.output_dir="$R" "$@" >> "$LOG" 2>&1 < /dev/null &
+  echo $! > "$PIDF"
+fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader \
-  && { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 20 >> "$OUT/gpu_use.csv" & }
-DEADLINE=$(( $(date +%s) + BUDGET_S - SECONDS - TAIL_S ))
-echo "children stop at $(date -d @"$DEADLINE" +%T) (now $(date +%T))"
-timeout -s INT $(( BUDGET_S - SECONDS - 15 )) gearlab compare experiment="$EXP" trainer.output_dir="$R" \
-  trainer.deadline="$DEADLINE" "$@" >> "$OUT/compare.log" 2>&1
-echo "compare rc=$? after ${SECONDS}s"
-grep -E '^\[compare\]|^\||^learning|^power|^signals|rror' "$OUT/compare.log" | tail -60
-tar czf "$OUT/$EXP-store.tgz" -C "$R" mlflow.db mlartifacts && ls -la "$OUT/$EXP-store.tgz"
-mkdir -p "$OUT/logs" && for f in "$R/$EXP"/*/train.log; do  # every child's log (its timings, its error) comes back
+  && { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 20 >> "$OUT/gpu_use.csv" &
+        SMI=$!; }
+while kill -0 "$(cat "$PIDF")" 2>/dev/null && (( SECONDS < BUDGET_S - 25 )); do sleep 5; done
+kill -0 "$(cat "$PIDF")" 2>/dev/null && echo "still running after ${SECONDS}s" || echo "the comparison ended after ${SECONDS}s"
+grep -E '^\[compare\]|^\||^learning|^power|^signals|rror' "$LOG" | tail -60
+# the store while the comparison writes to it: SQLite's online backup is a consistent copy
+mkdir -p /tmp/store_copy && python - "$R/mlflow.db" /tmp/store_copy/mlflow.db <<'EOF'
+import sqlite3, sys
+src, dst = sqlite3.connect(sys.argv[1]), sqlite3.connect(sys.argv[2])
+src.backup(dst)
+dst.close()
+EOF
+rm -rf /tmp/store_copy/mlartifacts && cp -r "$R/mlartifacts" /tmp/store_copy/ 2>/dev/null
+tar czf "$OUT/$EXP-store.tgz" -C /tmp/store_copy . && ls -la "$OUT/$EXP-store.tgz"
+mkdir -p "$OUT/logs" && cp "$LOG" "$OUT/logs/" && for f in "$R/$EXP"/*/train.log; do  # each child's timings, errors
   [[ -f $f ]] && tail -c 300000 "$f" > "$OUT/logs/$(basename "$(dirname "$f")").log"; done
 [[ -d $R/$EXP/report ]] && cp "$R/$EXP/report/report.md" "$R/$EXP/report/curves.png" "$OUT/" 2>/dev/null
-kill %1 2>/dev/null; true
+[[ -n ${SMI:-} ]] && kill "$SMI" 2>/dev/null; true
