@@ -14,6 +14,11 @@ refuses the others with a one-line reason.
 ``compile=True`` compiles the two pieces of a layer around attention (``attn_inputs``, ``attn_output_and_mlp``)
 for decode steps; one graph of each serves every layer and every cache length.
 
+``fused=True`` runs q/k/v as one GEMM and gate/up as one GEMM per layer, over concatenated copies of those weights in
+the compute dtype (``FusedWeights``: extra memory = those projections' parameters at 2 bytes each in bf16).
+``refresh_fused`` rewrites the copies in place from the model's weights (the fast engine calls it at every call, so
+optimizer steps are seen and captured graphs, which point at the copies, stay valid).
+
 Simplifications: attention is PyTorch's ``scaled_dot_product_attention`` over the first ``L`` cache positions (a
 bucket length fixed per captured graph, ≥ the filled length) with a boolean mask — on CUDA at decode its own
 grouped-query path; the numerics equal HF's SDPA path to float tolerance (tested: greedy tokens equal
@@ -78,6 +83,91 @@ def attn_output_and_mlp(layer: nn.Module, h: Tensor, o: Tensor) -> Tensor:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def attn_inputs_fused(layer: nn.Module, w: Tensor, b: Tensor | None, h: Tensor, cos: Tensor, sin: Tensor,
+                      head_dim: int, sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """``attn_inputs`` with q/k/v as one GEMM: ``w`` [(H + 2·H_kv)·D, H_model] (``b`` its bias or None), ``sizes`` =
+    the widths of q, k and v in it."""
+    B, S, _ = h.shape
+    a = layer.self_attn
+    q, k, v = F.linear(layer.input_layernorm(h), w, b).split(sizes, dim=-1)
+    q, k = q.reshape(B, S, -1, head_dim), k.reshape(B, S, -1, head_dim)
+    v = v.reshape(B, S, -1, head_dim).transpose(1, 2)
+    if hasattr(a, "q_norm"):
+        q, k = a.q_norm(q), a.k_norm(k)
+    return _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin), v
+
+
+def attn_output_and_mlp_fused(layer: nn.Module, w: Tensor, b: Tensor | None, h: Tensor, o: Tensor) -> Tensor:
+    """``attn_output_and_mlp`` with the MLP's gate and up projections as one GEMM: ``w`` [2·I, H_model] (gate rows
+    first; ``b`` its bias or None)."""
+    h = h + layer.self_attn.o_proj(o)
+    mlp = layer.mlp
+    gate, up = F.linear(layer.post_attention_layernorm(h), w, b).chunk(2, dim=-1)
+    return h + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _gated_mlp(layer: nn.Module) -> bool:
+    """Whether the layer's MLP is down(act(gate(x)) · up(x)) (Llama, Qwen, Mistral), so gate/up can be fused."""
+    return all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _joined(mods: list[nn.Module], attr: str) -> list[Tensor] | None:
+    parts = [getattr(m, attr, None) for m in mods]
+    if all(p is None for p in parts):
+        return None
+    return [p if p is not None else torch.zeros(m.weight.shape[0], device=m.weight.device, dtype=m.weight.dtype)
+            for p, m in zip(parts, mods)]
+
+
+@dataclass
+class FusedWeights:
+    """Per layer: q/k/v as one weight [(H + 2·H_kv)·D, H_model] and gate/up as one [2·I, H_model] (gate first), with
+    their biases where the model has them, in the compute dtype. ``gate_up[i]`` is None for an MLP of another form."""
+    qkv: list[Tensor]
+    qkv_bias: list[Tensor | None]
+    gate_up: list[Tensor | None]
+    gate_up_bias: list[Tensor | None]
+    sizes: tuple[int, int, int]  # the widths of q, k and v in a qkv weight
+
+    @staticmethod
+    def groups(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module] | None]:
+        a = layer.self_attn
+        return [a.q_proj, a.k_proj, a.v_proj], ([layer.mlp.gate_proj, layer.mlp.up_proj] if _gated_mlp(layer) else None)
+
+    @classmethod
+    def empty(cls, layers: list[nn.Module], dtype: torch.dtype) -> "FusedWeights":
+        def new(mods: list[nn.Module] | None, attr: str = "weight") -> Tensor | None:
+            if mods is None or (attr == "bias" and _joined(mods, "bias") is None):
+                return None
+            w = mods[0].weight
+            rows = sum(m.weight.shape[0] for m in mods)
+            return torch.empty((rows, w.shape[1]) if attr == "weight" else (rows,), device=w.device, dtype=dtype)
+
+        g = [cls.groups(layer) for layer in layers]
+        qkv_mods = g[0][0]
+        return cls([new(a) for a, _ in g], [new(a, "bias") for a, _ in g], [new(m) for _, m in g],
+                   [new(m, "bias") for _, m in g], tuple(m.weight.shape[0] for m in qkv_mods))
+
+    @torch.no_grad()
+    def refresh(self, layers: list[nn.Module]) -> None:
+        """Copy the model's current weights into the fused buffers, in place."""
+        for i, layer in enumerate(layers):
+            attn, mlp = self.groups(layer)
+            for buf, mods, attr in ((self.qkv[i], attn, "weight"), (self.qkv_bias[i], attn, "bias"),
+                                    (self.gate_up[i], mlp, "weight"), (self.gate_up_bias[i], mlp, "bias")):
+                if buf is None:
+                    continue
+                parts = [m.weight for m in mods] if attr == "weight" else _joined(mods, "bias")
+                if buf.dtype == parts[0].dtype:
+                    torch.cat(parts, dim=0, out=buf)
+                else:  # e.g. fp32 master weights into bf16 copies
+                    buf.copy_(torch.cat(parts, dim=0))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in (self.qkv, self.qkv_bias, self.gate_up, self.gate_up_bias)
+                   for t in ts if t is not None)
+
+
 @dataclass
 class KVCache:
     """Per-layer key and value buffers [B, H_kv, L_max, D] in the compute dtype."""
@@ -92,7 +182,7 @@ class KVCache:
 class Decoder:
     """Prefill and one-token decode steps of ``model`` over a ``KVCache`` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, compile: bool = False) -> None:
+    def __init__(self, model: nn.Module, compile: bool = False, fused: bool = False) -> None:
         reason = supports(model)
         if reason:
             raise ValueError(f"rollout.engine=fast: {reason}")
@@ -106,7 +196,10 @@ class Decoder:
         self.n_kv = cfg.num_key_value_heads
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
         self._attn_in, self._attn_out = attn_inputs, attn_output_and_mlp
+        self._attn_in_f, self._attn_out_f = attn_inputs_fused, attn_output_and_mlp_fused
         self.compiled = compile
+        self.fused = fused
+        self.fw: FusedWeights | None = None  # made and refreshed by refresh_fused
         if compile:
             # the two pieces around attention, for decode steps: their shapes are the same at every step and every
             # cache length, so each compiles once for the first batch size (and once more, with a dynamic batch
@@ -115,6 +208,18 @@ class Decoder:
             # the cache writes stay eager, one kernel each
             self._attn_in = torch.compile(attn_inputs)
             self._attn_out = torch.compile(attn_output_and_mlp)
+            self._attn_in_f = torch.compile(attn_inputs_fused)
+            self._attn_out_f = torch.compile(attn_output_and_mlp_fused)
+
+    def refresh_fused(self) -> None:
+        """With ``fused``: (re)write the fused q/k/v and gate/up copies from the model's weights, in place (made at
+        the first call, and again if the compute dtype changed). Call it before decoding with new weights."""
+        if not self.fused:
+            return
+        dt = self.compute_dtype()
+        if self.fw is None or self.fw.qkv[0].dtype != dt:
+            self.fw = FusedWeights.empty(self.layers, dt)
+        self.fw.refresh(self.layers)
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype activations and the cache take: autocast's if it is on, else the weights'."""
@@ -136,11 +241,20 @@ class Decoder:
         goes through the compiled pieces when the decoder was built with ``compile=True``."""
         B, S = ids.shape
         attn_in, attn_out = (self._attn_in, self._attn_out) if S == 1 else (attn_inputs, attn_output_and_mlp)
+        if self.fused and self.fw is None:
+            self.refresh_fused()
+        fw = self.fw if self.fused else None
+        if fw is not None:
+            attn_in_f, attn_out_f = (self._attn_in_f, self._attn_out_f) if S == 1 else (attn_inputs_fused,
+                                                                                      attn_output_and_mlp_fused)
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, pos)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, S, D]: broadcast over heads
         for i, layer in enumerate(self.layers):
-            q, k, v = attn_in(layer, h, cos, sin, self.head_dim)
+            if fw is not None:
+                q, k, v = attn_in_f(layer, fw.qkv[i], fw.qkv_bias[i], h, cos, sin, self.head_dim, fw.sizes)
+            else:
+                q, k, v = attn_in(layer, h, cos, sin, self.head_dim)
             kc, vc = cache.keys[i], cache.values[i]
             kc.index_copy_(2, write_at, k.to(kc.dtype))
             vc.index_copy_(2, write_at, v.to(vc.dtype))
@@ -156,7 +270,11 @@ class Decoder:
             else:
                 o = F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
                                                    scale=self.scaling, enable_gqa=H != self.n_kv)
-            h = attn_out(layer, h, o.transpose(1, 2).reshape(B, S, -1))
+            o = o.transpose(1, 2).reshape(B, S, -1)
+            if fw is not None and fw.gate_up[i] is not None:
+                h = attn_out_f(layer, fw.gate_up[i], fw.gate_up_bias[i], h, o)
+            else:
+                h = attn_out(layer, h, o)
         return self.base.norm(h[:, -1])
 
     def prefill(self, ids: Tensor, mask: Tensor, cache: KVCache) -> Tensor:

@@ -69,7 +69,8 @@ class FastDecoder:
     """gearlab's ``TokenGenerator`` on the policy's own weights (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, *, batch_size: int = 64, cuda_graphs: str = "auto", bucket: int = 64,
-                 check_every: int = 8, compile: bool | None = None, sharded_weights: str = "gather") -> None:
+                 check_every: int = 8, compile: bool | None = None, sharded_weights: str = "gather",
+                 fused: bool = False) -> None:
         self.tok = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer)
@@ -78,6 +79,7 @@ class FastDecoder:
         self.bucket = bucket
         self.check_every = check_every
         self.compile = compile  # None: on with CUDA (resolved per policy, in _decoder_for)
+        self.fused = fused  # q/k/v and gate/up as one GEMM each over copies refreshed at every call (Decoder)
         self._runs: dict[tuple, _Run] = {}
         self._decoder: Decoder | None = None
         self._pool = None
@@ -97,7 +99,7 @@ class FastDecoder:
         commands gather: a second resident copy would only cost memory)."""
         f = cfg.rollout.fast
         return cls(tokenizer, batch_size=cfg.rollout.batch_size, cuda_graphs=f.cuda_graphs, bucket=f.bucket,
-                   check_every=f.check_every, compile=f.compile,
+                   check_every=f.check_every, compile=f.compile, fused=f.fused_projections,
                    sharded_weights=f.sharded_weights if training else "gather")
 
     # -- the TokenGenerator protocol ------------------------------------------------------------
@@ -119,6 +121,7 @@ class FastDecoder:
         try:
             with unsharded(target):
                 dec = self._decoder_for(target)
+                dec.refresh_fused()  # (in place: graphs captured over the copies stay valid)
                 dev = dec.head.weight.device
                 all_seeds = row_seeds(seed, prompt_ids.shape[0])
                 all_offsets = step_offset if step_offset is not None else torch.zeros_like(all_seeds)
@@ -143,6 +146,8 @@ class FastDecoder:
                        "fast/capture_s": self._capture_s - capture_s,
                        "fast/prefill_rows": float(self._prefill_rows[0]),
                        "fast/prefill_distinct": float(self._prefill_rows[1])}
+        if self._decoder is not None and self._decoder.fw is not None:
+            self._stats["fast/fused_gib"] = self._decoder.fw.nbytes() / 2**30
         if self._replica is not None:
             self._stats.update({"fast/replica_refresh_s": self._refresh_s,
                                 "fast/replica_gib": self._replica.nbytes() / 2**30})
@@ -206,7 +211,8 @@ class FastDecoder:
 
     def _decoder_for(self, model: nn.Module) -> Decoder:
         compile = self.compile if self.compile is not None else next(model.parameters()).is_cuda
-        if self._decoder is None or self._decoder.model is not model or self._decoder.compiled != compile:
+        d = self._decoder
+        if d is None or d.model is not model or d.compiled != compile or d.fused != self.fused:
             if compile:  # (the limit compiled layers use; the decoder's pieces need at most 2 graphs each)
                 from gearlab.parallel.compiling import raise_recompile_limit
 
@@ -214,7 +220,7 @@ class FastDecoder:
             # compiled: each layer's pieces around attention (Decoder), not the whole step — a whole 28-layer step
             # compiled once per bucket length took minutes, and Inductor's scan over a 151,936-wide vocabulary (the
             # sampler's cumsum) fails to generate code in torch 2.11
-            self._decoder = Decoder(model, compile=compile)
+            self._decoder = Decoder(model, compile=compile, fused=self.fused)
             self.free()
         return self._decoder
 

@@ -249,6 +249,9 @@ class PeriodicEval(Callback):
         # and documented is one: eval/avg_at_4, not eval/avg@4 that the logger would rename
         metrics = {f"eval/avg_at_{k}": res[f"avg@{k}"], f"eval/pass_at_{k}": res[f"pass@{k}"]}
         metrics.update({f"eval/{n}": v for n, v in res.items() if n.startswith("greedy_")})  # (eval.greedy on)
+        if not res.get("cached"):  # a timing (not a value: kept out of eval/*); not in the report's s/iter
+            metrics["time/eval_s"] = res["seconds"]
+            log.info("evaluation at iteration %d: %.1f s", module.iterations_done, res["seconds"])
         if trainer.is_global_zero and trainer.logger is not None:
             trainer.logger.log_metrics(metrics, step=module.iterations_done)
         module.last_eval = metrics

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from gearlab.core.logprobs import position_ids_from_mask
-from gearlab.rollout.decoder import Decoder, supports
+from gearlab.rollout.decoder import Decoder, FusedWeights, supports
 
 
 def _llama(vocab: int) -> LlamaForCausalLM:
@@ -15,6 +15,19 @@ def _llama(vocab: int) -> LlamaForCausalLM:
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     return LlamaForCausalLM(cfg).eval()
+
+
+def _qwen2(vocab: int) -> Qwen2ForCausalLM:
+    """Qwen2's layout: biases on q/k/v (none on o), grouped K/V heads."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises biases to 0: make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
 
 
 def _prompts(vocab: int):
@@ -66,3 +79,61 @@ def test_unsupported_models_are_named():
         assert str(e).startswith("rollout.engine=fast: GPT2LMHeadModel")
     else:
         raise AssertionError("Decoder accepted GPT-2")
+
+
+def _step_logits(dec: Decoder, ids, mask) -> torch.Tensor:
+    """Prefill logits and one decode step's logits, concatenated [3, 2·V]."""
+    cache = dec.new_cache(3, 16)
+    first = dec.prefill(ids, mask, cache)
+    visible = torch.cat([mask.bool(), torch.ones(3, 1, dtype=torch.bool)], 1)
+    h = dec.forward(first.argmax(-1, keepdim=True), mask.sum(1, keepdim=True), cache, torch.tensor([12]), 13,
+                    visible[:, None, None, :])
+    return torch.cat([first, dec.logits(h)], -1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_gqa", "qwen2_bias"])
+def test_fused_projections_give_the_unfused_logits_and_follow_in_place_updates(tiny_model_factory, tokenizer, arch):
+    """q/k/v and gate/up as one GEMM each: the prefill and decode logits of the separate projections (fp32, to
+    rounding); after an in-place weight update (an optimizer step) ``refresh_fused`` makes the copies follow, in the
+    same buffers (captured graphs point at them)."""
+    vocab = len(tokenizer)
+    model = {"qwen3": lambda: tiny_model_factory(0).eval(), "llama_gqa": lambda: _llama(vocab),
+             "qwen2_bias": lambda: _qwen2(vocab)}[arch]()
+    ids, mask = _prompts(vocab)
+    plain, fused = Decoder(model), Decoder(model, fused=True)
+    with torch.no_grad():
+        fused.refresh_fused()
+        buffers = [t.data_ptr() for t in fused.fw.qkv + fused.fw.gate_up]
+        assert torch.allclose(_step_logits(fused, ids, mask), _step_logits(plain, ids, mask), atol=2e-5)
+        before = _step_logits(fused, ids, mask)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        now = _step_logits(plain, ids, mask)
+        stale = _step_logits(fused, ids, mask)  # the copies are what it decodes: without a refresh, old projections
+        assert not torch.allclose(stale, now, atol=1e-3)
+        fused.refresh_fused()
+        after = _step_logits(fused, ids, mask)
+        assert torch.allclose(after, now, atol=2e-5)
+        assert not torch.allclose(after, before, atol=1e-2)
+    assert [t.data_ptr() for t in fused.fw.qkv + fused.fw.gate_up] == buffers
+    has_bias = arch == "qwen2_bias"
+    assert all((b is not None) == has_bias for b in fused.fw.qkv_bias) and all(b is None for b in fused.fw.gate_up_bias)
+    layer = model.model.layers[0]
+    assert fused.fw.sizes == (layer.self_attn.q_proj.out_features, layer.self_attn.k_proj.out_features,
+                              layer.self_attn.v_proj.out_features)
+    n = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for layer in model.model.layers
+            for m in (*FusedWeights.groups(layer)[0], *FusedWeights.groups(layer)[1]))
+    assert fused.fw.nbytes() == 4 * n  # fp32 here: the fused projections' parameters once more
+
+
+def test_fused_copies_of_fp32_masters_are_in_the_autocast_dtype(tiny_model_factory, tokenizer):
+    """Under bf16 autocast the copies are bf16 (no cast of fp32 master weights at every step) and decode what the
+    unfused bf16-autocast path decodes, to bf16 rounding."""
+    model = tiny_model_factory(0).eval()
+    ids, mask = _prompts(len(tokenizer))
+    plain, fused = Decoder(model), Decoder(model, fused=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused.refresh_fused()
+        assert {t.dtype for t in fused.fw.qkv + fused.fw.gate_up} == {torch.bfloat16}
+        ours, ref = _step_logits(fused, ids, mask), _step_logits(plain, ids, mask)
+    assert (ours - ref).abs().max() < 0.1 * ref.abs().max() and (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.6

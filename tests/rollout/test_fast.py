@@ -37,9 +37,10 @@ def test_greedy_tokens_equal_hf_generate(setup, tokenizer, batch_size):
     sp = SamplingParams(max_new_tokens=24, greedy=True)
     ref, ref_mask = eng.sample(model, ids, mask, sp, seed=0)
     for shapes in ("off", "on"):  # exact lengths, and the CUDA-graph path's padded prompts and 8-token buckets
-        fast = FastDecoder(tokenizer, batch_size=batch_size, bucket=8, cuda_graphs=shapes)
-        resp, rmask, lp = fast.sample(model, ids, mask, sp, seed=0)
-        assert torch.equal(rmask, ref_mask) and torch.equal(resp, ref)
+        for fused in (False, True):  # separate projections, and q/k/v and gate/up as one GEMM each
+            fast = FastDecoder(tokenizer, batch_size=batch_size, bucket=8, cuda_graphs=shapes, fused=fused)
+            resp, rmask, lp = fast.sample(model, ids, mask, sp, seed=0)
+            assert torch.equal(rmask, ref_mask) and torch.equal(resp, ref)
 
 
 def test_responses_end_at_the_first_stop_token_as_hf(setup, tokenizer):
@@ -85,6 +86,29 @@ def test_sampled_logprobs_equal_the_trainers(setup, tokenizer, temperature, top_
     ).sample(model, ids, mask, sp, seed=11)
     ref = _trainer_logprobs(model, ids, mask, resp, rmask, temperature)
     assert (lp - ref)[rmask].abs().max() < 1e-5
+
+
+def test_fused_projections_sample_the_trainers_logprobs_after_every_optimizer_step(tokenizer, tiny_model_factory):
+    """One fused FastDecoder over a policy whose weights change in place between calls (as optimizer steps do):
+    each call samples with the current weights (its log-probs are the trainer's), and the fused copies are the same
+    buffers throughout."""
+    model = tiny_model_factory(3).eval()
+    task = get_task("arith")
+    ids, mask = HFRolloutEngine(tokenizer, task, batch_size=8).encode_prompts(task.problems("train", 6, seed=4))
+    fast = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs="on", fused=True)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.8)
+    buffers = None
+    for step in range(3):
+        resp, rmask, lp = fast.sample(model, ids, mask, sp, seed=step)
+        ref = _trainer_logprobs(model, ids, mask, resp, rmask, 0.8)
+        assert (lp - ref)[rmask].abs().max() < 1e-5, step
+        fw = fast._decoder.fw
+        buffers = buffers or [t.data_ptr() for t in fw.qkv + fw.gate_up]
+        assert [t.data_ptr() for t in fw.qkv + fw.gate_up] == buffers
+        assert fast.stats()["fast/fused_gib"] > 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
 
 
 def test_a_rows_samples_depend_on_its_seed_alone(setup, tokenizer):
@@ -208,6 +232,7 @@ def test_config_keys():
     from gearlab.config import ConfigError, load_config
 
     assert load_config(["rollout.engine=fast", "algorithm.engine_is=icepop"]).rollout.fast.bucket == 64
+    assert load_config(["rollout.fast.fused_projections=true"]).rollout.fast.fused_projections is True
     for bad in (["rollout.engine=fast", "rollout.fast.bucket=0"], ["rollout.fast.cuda_graphs=maybe"],
                 ["rollout.engine=fastest"]):
         with pytest.raises(ConfigError):

@@ -209,6 +209,8 @@ def test_no_learning_signal_is_warned_and_training_problems_are_not_called_held_
     # the name compare and the docs use is the name on record: before training and after the last iteration
     assert primary_metric(load_config(["eval.k=2"])) == "eval/avg_at_2"
     assert sorted(m.step for m in client.get_metric_history(res.mlflow_run_id, "eval/avg_at_2")) == [0, 4]
+    timed = client.get_metric_history(res.mlflow_run_id, "time/eval_s")  # each evaluation's own time
+    assert sorted(m.step for m in timed) == [0, 4] and all(m.value > 0 for m in timed)
     assert not any("@" in k for k in run.data.metrics)
     lines = train_summary(res, ["train"], cfg).splitlines()
     assert ("final evaluation on the TRAINING problems (the task has no separate test split; not held-out): "
