@@ -80,7 +80,8 @@ class FastDecodeConfig:
     # the copy (2 bytes/param in bf16) and the KV caches stay resident during the update
     sharded_weights: str = "gather"
     # q/k/v and gate/up as one GEMM each per layer, over copies of those weights in the compute dtype rewritten at
-    # every call (memory: those projections' parameters once more: 0.55 / 4.39 / 8.44 GiB at Qwen3 0.6B / 4B / 8B in bf16)
+    # every call (memory: those projections' parameters once more, in bf16 0.55 / 4.39 / 8.44 GiB at Qwen3 0.6B / 4B
+    # / 8B)
     fused_projections: bool = False
 
 
