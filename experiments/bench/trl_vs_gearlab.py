@@ -173,7 +173,7 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro:
 
 def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: bool = False, micro: int = 8,
                 checkpointing: bool = True, engine: str = "hf", fast_compile: bool = False, profile: bool = False,
-                master: str = "bfloat16") -> dict:
+                master: str = "bfloat16", fused: bool = False) -> dict:
     import lightning as L
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -194,7 +194,8 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
                        "rollout.batch_size=128", f"algorithm.micro_batch_size={micro}",
                        f"trainer.activation_checkpointing={checkpointing}", "optim.lr=1e-6", "signals.chunk_size=1024",
                        f"trainer.max_steps={iters}", f"rollout.static_cache={static}", f"trainer.compile={compiled}",
-                       f"rollout.engine={engine}", f"rollout.fast.compile={fast_compile}", *vllm_opts])
+                       f"rollout.engine={engine}", f"rollout.fast.compile={fast_compile}",
+                       f"rollout.fast.fused_projections={fused}", *vllm_opts])
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
@@ -272,6 +273,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "gearlab_fast": ("gearlab", {"engine": "fast", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_fast_compiled": ("gearlab", {"engine": "fast", "fast_compile": True, "compiled": True, "micro": 64,
                                           "checkpointing": False}),
+    "gearlab_fast_fused": ("gearlab", {"engine": "fast", "fast_compile": True, "fused": True, "compiled": True,
+                                       "micro": 64, "checkpointing": False}),
     "gearlab_vllm": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm_fp32_master": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False,
                                              "master": "float32"}),

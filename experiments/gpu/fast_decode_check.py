@@ -102,6 +102,32 @@ def check_small(res: dict) -> None:
     res["after_step"] = {
         "pass": diff < 1e-4, "max_lp_diff": diff, "graphs_captured": fast.stats()["fast/graphs_captured"]
     }
+    check_small_fused(res, tok, model, eng, ids, mask)
+
+
+def check_small_fused(res: dict, tok, model, eng, ids, mask) -> None:
+    """rollout.fast.fused_projections: greedy = HF generate, and after an in-place optimizer step the graphs
+    captured before it decode with the refreshed copies (log-probs = the trainer's)."""
+    greedy = SamplingParams(max_new_tokens=48, greedy=True)
+    ref, ref_mask = eng.sample(model, ids, mask, greedy, seed=0)
+    fast = FastDecoder(tok, batch_size=128, fused=True)
+    out, omask, _ = fast.sample(model, ids, mask, greedy, seed=0)
+    res["fused_greedy_fp32"] = {"pass": bool(torch.equal(out, ref) and torch.equal(omask, ref_mask)),
+                                "rows_equal": int((out == ref).all(1).sum()) if out.shape == ref.shape else 0}
+    sp = SamplingParams(max_new_tokens=48)
+    a = fast.sample(model, ids, mask, sp, seed=5)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = -(trainer_logprobs(model, ids[:8], mask[:8], a[0][:8], a[1][:8]) * a[1][:8].to(DEV)).sum() / a[1][:8].sum()
+    loss.backward()
+    opt.step()
+    model.eval()
+    c = fast.sample(model, ids, mask, sp, seed=9)
+    with torch.no_grad():
+        ref_lp = trainer_logprobs(model, ids, mask, c[0], c[1]).float().cpu()
+    diff = float((ref_lp - c[2])[c[1]].abs().max())
+    res["fused_after_step"] = {"pass": diff < 1e-4, "max_lp_diff": diff,
+                               "graphs_captured": fast.stats()["fast/graphs_captured"]}
 
 
 def check_06b(res: dict) -> None:
@@ -136,7 +162,8 @@ def check_06b(res: dict) -> None:
         out["hf_static_compiled_ms_per_step"] = round(1000 * s / bench.NEW, 2)
     # compile set explicitly: its default (None) is on with CUDA
     for name, kw in (("fast_eager", dict(cuda_graphs="off", compile=False)), ("fast_graphs", dict(compile=False)),
-                     ("fast_compiled_graphs", dict(compile=True))):
+                     ("fast_compiled_graphs", dict(compile=True)),
+                     ("fast_compiled_graphs_fused", dict(compile=True, fused=True))):
         if name != "fast_eager" and DEV.type != "cuda":
             continue
         gen = FastDecoder(tok, batch_size=len(ids), **kw)
