@@ -15,6 +15,9 @@ The draw is inverse-CDF sampling done in two levels (``inverse_cdf``: find the b
 token inside it), which picks the same token as one scan over the vocabulary except where float rounding of the
 partial sums differs (a draw within ~1e-7 of an interval's edge).
 
+Without top-k / top-p the draw takes one softmax kernel over the vocabulary and the reported log-prob is the log
+of the drawn token's probability there (equal to log_softmax's to float32 rounding).
+
 Simplifications: the uniform has 24 random bits (a float32's resolution, the same as the float32 CDF it is
 compared with); the hash is the 32-bit "lowbias" integer mixer applied three times, not a cryptographic
 generator — its uniformity is tested, not proven.
@@ -69,15 +72,23 @@ def sample_rows(logits: Tensor, seeds: Tensor, step: Tensor, *, temperature: flo
     """Draw one token per row. logits [B, V] (any float dtype; computed in float32), seeds [B] int64, step: the
     draw number (0-dim int64, or [B] when rows continue responses from different points). Returns (tokens [B]
     int64, log-probs [B] float32 of those tokens under log_softmax(logits / T))."""
-    z = logits.float() / temperature
-    logp_all = torch.log_softmax(z, dim=-1)
-    if greedy:
-        tok = torch.argmax(logits, dim=-1)
-    else:
-        # the full distribution is exp(logp_all) already; only a narrowed one needs its own softmax
-        probs = torch.softmax(narrow(z, top_k, top_p), dim=-1) if top_k or top_p < 1.0 else logp_all.exp()
-        tok = inverse_cdf(probs, row_uniforms(seeds, step))
-    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    if greedy or top_k or top_p < 1.0:
+        if greedy:
+            tok = torch.argmax(logits, dim=-1)
+        else:
+            tok = inverse_cdf(torch.softmax(narrow(z, top_k, top_p), dim=-1), row_uniforms(seeds, step))
+        # the FULL distribution's log-prob (as the trainer's), also where top-k / top-p narrowed the draw
+        return tok, (z.gather(-1, tok[:, None]) - torch.logsumexp(z, dim=-1, keepdim=True)).squeeze(-1)
+    # the common case in as few passes over [B, V] as the draw allows: one softmax kernel gives the draw's
+    # distribution, and the token's log-prob is the log of its probability there (within float32 rounding of
+    # log_softmax for any probability above float32's normal range, ~1e-38; a rarer token is never drawn: the
+    # uniforms have 24 bits)
+    probs = torch.softmax(z, dim=-1)
+    tok = inverse_cdf(probs, row_uniforms(seeds, step))
+    return tok, probs.gather(-1, tok[:, None]).log().squeeze(-1)
 
 
 def inverse_cdf(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
