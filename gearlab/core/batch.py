@@ -142,6 +142,30 @@ class RolloutBatch:
                 out[name] = v
         return RolloutBatch(**out)
 
+    def cropped(self) -> "RolloutBatch":
+        """The same rows without the prompt columns that are padding in every row (left; the teacher's prompt too) and
+        the response columns that are padding in every row (right): [B, P'] and [B, T'] with P' ≤ P, T' ≤ T (at
+        least one column each).
+        Positions come from the masks, so every real token's log-prob is unchanged; a micro-batch of short
+        responses then costs its own length, not the whole batch's longest."""
+        real_p = self.prompt_mask.bool().any(0).nonzero()
+        real_t = self.attention_mask.any(0).nonzero()
+        p0 = int(real_p[0]) if real_p.numel() else self.prompt_ids.shape[1] - 1
+        t1 = int(real_t[-1]) + 1 if real_t.numel() else 1
+        if p0 == 0 and t1 == self.response_len:
+            return self
+        changes: dict[str, Any] = {"prompt_ids": self.prompt_ids[:, p0:], "prompt_mask": self.prompt_mask[:, p0:]}
+        for name in ("response_ids", "response_mask", "attention_mask", "old_logprobs", "ref_logprobs",
+                     "rollout_logprobs", "turn_ids"):
+            t = getattr(self, name)
+            changes[name] = t[:, :t1] if t is not None else None
+        if self.teacher_prompt_mask is not None:  # the privileged prompt is left-padded too
+            real_q = self.teacher_prompt_mask.bool().any(0).nonzero()
+            q0 = int(real_q[0]) if real_q.numel() else self.teacher_prompt_ids.shape[1] - 1
+            changes.update(teacher_prompt_ids=self.teacher_prompt_ids[:, q0:],
+                           teacher_prompt_mask=self.teacher_prompt_mask[:, q0:])
+        return replace(self, **changes)
+
     def with_(self, **changes: Any) -> "RolloutBatch":
         """A copy with some fields replaced (validated again)."""
         return replace(self, **changes)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gearlab.core.batch import RolloutBatch
@@ -110,6 +111,7 @@ class SignalProvider:
         kw = dict(temperature=self.temperature, chunk_size=self.chunk_size, compiled=self.compiled)
         try:
             for mb in self._micro(batch):
+                mb = mb.cropped()  # its own widths; the outputs are padded back to the batch's T below
                 hs = self._hidden(self.model, mb, teacher=False)
                 lp, ent = token_logprobs(hs, head, mb.response_ids, with_entropy=want_entropy, **kw)
                 out.setdefault("_logprobs", []).append(lp)
@@ -131,7 +133,8 @@ class SignalProvider:
             for k, m in models.items():
                 m.train(modes[k])
         m = batch.response_mask.float()
-        res = {k: torch.cat(v) * m for k, v in out.items()}
+        T = batch.response_len
+        res = {k: torch.cat([F.pad(x, (0, T - x.shape[1])) for x in v]) * m for k, v in out.items()}
         if Signal.TEACHER_LOGPROBS not in needs:
             res.pop(Signal.TEACHER_LOGPROBS, None)
         return res

@@ -313,20 +313,22 @@ class GRPOModule(L.LightningModule):
                 for j in range(n_max):
                     empty = j >= len(chunks)
                     mi = torch.zeros(1, dtype=torch.long, device=self.device) if empty else chunks[j]
-                    mask_j = torch.zeros_like(loss_mask[mi]) if empty else loss_mask[mi]
+                    mb = rb.select(mi).cropped()  # this micro-batch's own widths: no compute on shared padding
+                    w = mb.response_len
+                    mask_j = torch.zeros_like(loss_mask[mi, :w]) if empty else loss_mask[mi, :w]
                     hook = None
                     if seq_adv is not None and not empty:
-                        def hook(mb: RolloutBatch, ent: Tensor, mi: Tensor = mi) -> Tensor:
+                        def hook(mb: RolloutBatch, ent: Tensor, mi: Tensor = mi, w: int = w) -> Tensor:
                             out = self.assigner.assign(mb, seq_adv[mi], {Signal.ENTROPY: ent})
                             if out.loss_mask is not None:
                                 raise ValueError(
                                     f"assigner {self.assigner.name!r} declared chunk_local but returned a loss mask"
                                 )
-                            adv[mi] = self._checked(out.token_advantages, mb).detach()
+                            adv[mi, :w] = self._checked(out.token_advantages, mb).detach()
                             for k, v in out.metrics.items():
                                 credit_logs.setdefault(k, []).append(float(v))
-                            return adv[mi]
-                    loss, metrics = self._micro_loss(rb.select(mi), adv[mi], mask_j, counts, assign=hook)
+                            return adv[mi, :w]
+                    loss, metrics = self._micro_loss(mb, adv[mi, :w], mask_j, counts, assign=hook)
                     weight = 0.0 if empty else float(rb.response_mask[mi].sum())
                     if empty:
                         loss = loss * 0.0  # takes part in the collectives, contributes nothing

@@ -63,3 +63,18 @@ def test_teacher_and_entropy_values(tiny_model_factory):
         torch.testing.assert_close(sig[Signal.TEACHER_LOGPROBS][i, :n], tlp[:n], rtol=1e-4, atol=1e-5)
         assert (sig[Signal.TEACHER_KL][i, n:] == 0).all() and (sig[Signal.ENTROPY][i, n:] == 0).all()
     assert (sig[Signal.TEACHER_KL][b.response_mask] > 0).all()
+
+
+def test_each_micro_batch_runs_at_its_own_widths(tiny_model_factory):
+    """A micro-batch drops the columns padded in all its rows (prompt, teacher prompt, response) before its
+    forwards, and its signals are padded back to the batch's T (the values are the solo ones, test above)."""
+    model = tiny_model_factory(1)
+    b = _batch(model.config.vocab_size)
+    widths = []
+    base = getattr(model, model.base_model_prefix)
+    base.register_forward_pre_hook(lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    sp = SignalProvider(model, temperature=1.0, micro_batch_size=2)
+    ppass, sig = sp.compute(b, {Signal.TEACHER_LOGPROBS})
+    # rows 0-1: prompt 5 + response 6, teacher 8 + 6; row 2: prompt 5 + response 2, teacher 4 + 2
+    assert widths == [11, 14, 7, 6]
+    assert ppass.logprobs.shape == sig[Signal.TEACHER_LOGPROBS].shape == (3, 6)
