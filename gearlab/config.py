@@ -137,6 +137,10 @@ class AlgorithmConfig:
     mini_batches: int = 1  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
     packed: bool = False  # padding-free forwards: a micro-batch's sequences concatenated, block-diagonal attention
+    # each micro-batch of the update and of the signal passes drops the columns padded in all its rows (its own
+    # longest prompt and response, not the batch's); changes float rounding only. null = auto: on with CUDA; off on
+    # the CPU, whose published digits were verified across CPU classes with the batch's widths
+    crop_padding: Optional[bool] = None
     # > 0: dynamic micro-batches of at most this many real tokens (and micro_batch_size rows)
     micro_batch_tokens: int = 0
 

@@ -34,8 +34,9 @@ class SignalProvider:
     """
 
     def __init__(self, model: nn.Module, *, temperature: float, chunk_size: int = 256, micro_batch_size: int = 16,
-                 tokenizer: Any = None, packed: bool = False, compiled: bool = False) -> None:
+                 tokenizer: Any = None, packed: bool = False, compiled: bool = False, crop: bool | None = None) -> None:
         self.model = model
+        self.crop = crop  # micro-batches at their own widths (RolloutBatch.cropped); None: on with CUDA
         self.compiled = compiled  # the log-prob / KL head chunks through torch.compile (trainer.compile)
         self.packed = packed  # padding-free forwards (gearlab.core.logprobs.response_hidden)
         self.temperature = temperature
@@ -110,8 +111,9 @@ class SignalProvider:
         out: dict[Any, list[Tensor]] = {}
         kw = dict(temperature=self.temperature, chunk_size=self.chunk_size, compiled=self.compiled)
         try:
+            crop = self.crop if self.crop is not None else batch.response_ids.is_cuda
             for mb in self._micro(batch):
-                mb = mb.cropped()  # its own widths; the outputs are padded back to the batch's T below
+                mb = mb.cropped() if crop else mb  # its own widths; the outputs are padded back to T below
                 hs = self._hidden(self.model, mb, teacher=False)
                 lp, ent = token_logprobs(hs, head, mb.response_ids, with_entropy=want_entropy, **kw)
                 out.setdefault("_logprobs", []).append(lp)

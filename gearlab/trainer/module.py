@@ -61,12 +61,14 @@ class GRPOModule(L.LightningModule):
             self.ref_signals = SignalProvider(self.ref_policy, temperature=cfg.rollout.temperature,
                                               chunk_size=cfg.signals.chunk_size,
                                               micro_batch_size=cfg.algorithm.micro_batch_size,
-                                              packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
+                                              packed=cfg.algorithm.packed, compiled=cfg.trainer.compile,
+                                              crop=cfg.algorithm.crop_padding)
         self.engine = engine_from_config(tokenizer, task, cfg, training=True, model=policy)
         self.generator = self.engine.generator  # None: HF generate on the policy; else e.g. a colocated vLLM engine
         self.signals = SignalProvider(policy, temperature=cfg.rollout.temperature, chunk_size=cfg.signals.chunk_size,
                                       micro_batch_size=cfg.algorithm.micro_batch_size, tokenizer=tokenizer,
-                                      packed=cfg.algorithm.packed, compiled=cfg.trainer.compile)
+                                      packed=cfg.algorithm.packed, compiled=cfg.trainer.compile,
+                                      crop=cfg.algorithm.crop_padding)
         self.teacher = Teacher(policy, assigner)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
@@ -291,6 +293,7 @@ class GRPOModule(L.LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         first = (self.trainer.global_rank if self._trainer is not None else 0) * B
         mb_size = B * world // alg.mini_batches
+        crop = alg.crop_padding if alg.crop_padding is not None else self.device.type == "cuda"
         sums: dict[str, Tensor] = {}  # metric → [Σ value·weight, Σ weight] over every micro-batch of every step
         grad_norms: list[float] = []
         for epoch in range(alg.ppo_epochs):
@@ -313,7 +316,8 @@ class GRPOModule(L.LightningModule):
                 for j in range(n_max):
                     empty = j >= len(chunks)
                     mi = torch.zeros(1, dtype=torch.long, device=self.device) if empty else chunks[j]
-                    mb = rb.select(mi).cropped()  # this micro-batch's own widths: no compute on shared padding
+                    mb = rb.select(mi)
+                    mb = mb.cropped() if crop else mb  # this micro-batch's own widths: no compute on shared padding
                     w = mb.response_len
                     mask_j = torch.zeros_like(loss_mask[mi, :w]) if empty else loss_mask[mi, :w]
                     hook = None

@@ -66,15 +66,19 @@ def test_teacher_and_entropy_values(tiny_model_factory):
 
 
 def test_each_micro_batch_runs_at_its_own_widths(tiny_model_factory):
-    """A micro-batch drops the columns padded in all its rows (prompt, teacher prompt, response) before its
-    forwards, and its signals are padded back to the batch's T (the values are the solo ones, test above)."""
+    """With ``crop``, a micro-batch drops the columns padded in all its rows (prompt, teacher prompt, response)
+    before its forwards, its signals are padded back to the batch's T, and they are the solo values."""
     model = tiny_model_factory(1)
     b = _batch(model.config.vocab_size)
     widths = []
     base = getattr(model, model.base_model_prefix)
     base.register_forward_pre_hook(lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    sp = SignalProvider(model, temperature=1.0, micro_batch_size=2)
+    sp = SignalProvider(model, temperature=1.0, micro_batch_size=2, crop=True)  # (default: on with CUDA)
     ppass, sig = sp.compute(b, {Signal.TEACHER_LOGPROBS})
     # rows 0-1: prompt 5 + response 6, teacher 8 + 6; row 2: prompt 5 + response 2, teacher 4 + 2
     assert widths == [11, 14, 7, 6]
     assert ppass.logprobs.shape == sig[Signal.TEACHER_LOGPROBS].shape == (3, 6)
+    for i in range(3):
+        n = int(b.response_mask[i].sum())
+        tlp, _ = _solo_logprobs(model, b.teacher_prompt_ids[i], b.teacher_prompt_mask[i], b.response_ids[i])
+        torch.testing.assert_close(sig[Signal.TEACHER_LOGPROBS][i, :n], tlp[:n], rtol=1e-4, atol=1e-5)

@@ -142,3 +142,15 @@ def test_logged_loss_terms_are_the_whole_batchs_at_any_micro_batch_size(tmp_path
     for k in ("update/pg_loss", "update/kl", "update/entropy_bonus"):
         assert logged[16][k] != 0, k
         assert logged[4][k] == pytest.approx(logged[16][k], rel=1e-4, abs=1e-7), k
+
+
+@pytest.mark.parametrize("mode", ["false", "true"])  # credit from a separate pass / inside the update (hook)
+def test_cropped_micro_batches_train_as_the_padded_ones(tmp_path, tiny_model_dir, graded_task, mode):
+    """algorithm.crop_padding: micro-batches of 2 at their own widths end two iterations at the weights of the
+    padded ones (float rounding apart) with the same logged loss."""
+    extra = ("assigner=entropy_adv", "algorithm.micro_batch_size=2")
+    p_on, m_on = _run(tmp_path / "on", tiny_model_dir, mode, *extra, "algorithm.crop_padding=true")
+    p_off, m_off = _run(tmp_path / "off", tiny_model_dir, mode, *extra, "algorithm.crop_padding=false")
+    assert max((p_on[k] - p_off[k]).abs().max().item() for k in p_on) < 1e-5
+    assert abs(m_on["update/pg_loss"] - m_off["update/pg_loss"]) < 1e-6
+    assert m_on["train/reward"] == m_off["train/reward"]  # the same rollouts
