@@ -88,20 +88,7 @@ def check_small(res: dict) -> None:
     alone = FastDecoder(tok, batch_size=128).sample(model, ids[7:8], mask[7:8], sp, seed=5 + 7)
     n = alone[0].shape[1]
     res["row_seeds"] = {"pass": bool(torch.equal(alone[0], a[0][7:8, :n]))}
-    # one in-place optimizer step, then a rollout through the graphs captured before it
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss = -(trainer_logprobs(model, ids[:8], mask[:8], a[0][:8], a[1][:8]) * a[1][:8].to(DEV)).sum() / a[1][:8].sum()
-    loss.backward()
-    opt.step()
-    model.eval()
-    c = fast.sample(model, ids, mask, sp, seed=9)
-    with torch.no_grad():
-        ref_lp = trainer_logprobs(model, ids, mask, c[0], c[1]).float().cpu()
-    diff = float((ref_lp - c[2])[c[1]].abs().max())
-    res["after_step"] = {
-        "pass": diff < 1e-4, "max_lp_diff": diff, "graphs_captured": fast.stats()["fast/graphs_captured"]
-    }
+    res["after_step"] = step_then_decode(fast, model, ids, mask, sp, a)
     check_small_fused(res, tok, model, eng, ids, mask)
 
 
@@ -116,6 +103,12 @@ def check_small_fused(res: dict, tok, model, eng, ids, mask) -> None:
                                 "rows_equal": int((out == ref).all(1).sum()) if out.shape == ref.shape else 0}
     sp = SamplingParams(max_new_tokens=48)
     a = fast.sample(model, ids, mask, sp, seed=5)
+    res["fused_after_step"] = step_then_decode(fast, model, ids, mask, sp, a)
+
+
+def step_then_decode(fast, model, ids, mask, sp, a) -> dict:
+    """One in-place optimizer step on the rollout ``a``, then a rollout through the graphs captured before it: its
+    log-probs against the trainer's."""
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     loss = -(trainer_logprobs(model, ids[:8], mask[:8], a[0][:8], a[1][:8]) * a[1][:8].to(DEV)).sum() / a[1][:8].sum()
@@ -126,8 +119,7 @@ def check_small_fused(res: dict, tok, model, eng, ids, mask) -> None:
     with torch.no_grad():
         ref_lp = trainer_logprobs(model, ids, mask, c[0], c[1]).float().cpu()
     diff = float((ref_lp - c[2])[c[1]].abs().max())
-    res["fused_after_step"] = {"pass": diff < 1e-4, "max_lp_diff": diff,
-                               "graphs_captured": fast.stats()["fast/graphs_captured"]}
+    return {"pass": diff < 1e-4, "max_lp_diff": diff, "graphs_captured": fast.stats()["fast/graphs_captured"]}
 
 
 def check_06b(res: dict) -> None:
