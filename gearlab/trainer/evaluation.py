@@ -3,6 +3,7 @@ split (held out, unless the task has none: ``Task.held_out`` False, then the tra
 a multi-process run."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,11 +39,23 @@ def start_cache_key(cfg: Config, model_dir: str | Path) -> str | None:
              "eval": {k: v for k, v in OmegaConf.to_container(cfg.eval).items() if k not in ("checkpoint",
              "cache_start")},
              "seed": eval_seed(cfg), "dtype": cfg.model.dtype, "threads": torch.get_num_threads(),
-             "precision": cfg.trainer.precision, "torch": torch.__version__}
+             "precision": cfg.trainer.precision, "torch": torch.__version__,
+             "autocast": True}  # evaluations under bf16-mixed / 16-mixed decode in autocast (older entries: fp32)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def cached_start_evaluation(model, tok, task, cfg: Config, model_dir: str | Path) -> dict[str, Any]:
+def precision_context(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast as Lightning runs the training step under ``trainer.precision`` (bf16-mixed: bfloat16, 16-mixed:
+    float16), else nothing: an evaluation decodes in the precision the rollouts of its run decode in, not in the
+    fp32 of the master weights (on a GPU ~10x slower, and other numerics than the training's samples)."""
+    p = str(cfg.trainer.precision)
+    if p in ("bf16-mixed", "16-mixed"):
+        return torch.autocast(device.type, dtype=torch.bfloat16 if p == "bf16-mixed" else torch.float16)
+    return contextlib.nullcontext()
+
+
+def cached_start_evaluation(model, tok, task, cfg: Config, model_dir: str | Path, engine: Any = None
+                            ) -> dict[str, Any]:
     """``evaluate_model`` of the starting weights, read from ``<output_dir>/.eval_cache/<key>.json`` when the same
     weights were evaluated with the same settings before (every child of a comparison starts from one checkpoint;
     with a fixed ``eval.seed`` they share this evaluation exactly), else computed and stored."""
@@ -53,7 +66,7 @@ def cached_start_evaluation(model, tok, task, cfg: Config, model_dir: str | Path
             return {**json.loads(path.read_text()), "cached": True}
         except (OSError, ValueError):
             pass  # a broken cache entry is recomputed
-    res = evaluate_model(model, tok, task, cfg)
+    res = evaluate_model(model, tok, task, cfg, engine)
     if key is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -63,9 +76,11 @@ def cached_start_evaluation(model, tok, task, cfg: Config, model_dir: str | Path
 
 
 @torch.no_grad()
-def evaluate_model(model, tok, task, cfg: Config) -> dict[str, Any]:
+def evaluate_model(model, tok, task, cfg: Config, engine: Any = None) -> dict[str, Any]:
     """Greedy accuracy (unless ``eval.greedy`` is off), avg@k and unbiased pass@k on ``eval.num_problems`` test
-    problems.
+    problems, decoded in the run's precision (``precision_context``). ``engine``: a rollout engine made by
+    ``engine_from_config`` for this task and config, to reuse (its compiled pieces and CUDA graphs) across the
+    evaluations of a run; None = a new one.
 
     The problems and sampling seeds depend only on ``eval.seed`` (default: ``trainer.seed``) and the number of \
 processes, so
@@ -89,13 +104,13 @@ processes, so
     per = -(-len(problems) // world)
     weight = torch.tensor([1.0] * len(mine) + [0.0] * (per - len(mine)))
     mine = mine + problems[:1] * (per - len(mine))
-    engine = engine_from_config(tok, task, cfg, model=model)
+    engine = engine or engine_from_config(tok, task, cfg, model=model)
     engine.synced_gpus = world > 1  # ranks decode different problems: keep their forward passes in step
     dev = next(model.parameters()).device
     t0 = time.time()
     k = cfg.eval.k
     greedy = None
-    with gathered_for_generation(model):
+    with gathered_for_generation(model), precision_context(cfg, dev):
         if cfg.eval.greedy:
             greedy = engine.generate(model, mine, group_size=1, seed=seed,
                                      sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, greedy=True))

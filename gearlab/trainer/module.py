@@ -29,6 +29,7 @@ from gearlab.parallel.distributed import (all_reduce_sum, gather_rows, gathered_
                                           is_fsdp1)
 from gearlab.core.logprobs import response_hidden, token_logprobs
 from gearlab.core.metrics import pass_at_k
+from gearlab.core.sdpa import differentiable_attention
 from gearlab.rollout.base import SamplingParams, step_seed
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.provider import SignalProvider
@@ -217,7 +218,8 @@ class GRPOModule(L.LightningModule):
             loss_mask = rb.response_mask if credit.loss_mask is None else (credit.loss_mask.bool() & rb.response_mask)
 
         t2 = time.perf_counter()
-        upd = self._update(rb, adv, loss_mask, it, seq_adv=seq_adv if in_forward else None)
+        with differentiable_attention():  # cuDNN's attention backward is wrong on some masked inputs (core/sdpa.py)
+            upd = self._update(rb, adv, loss_mask, it, seq_adv=seq_adv if in_forward else None)
         if in_forward:
             credit, upd["signals/entropy_in_forward"] = self._forward_credit, 1.0
             adv = credit.token_advantages

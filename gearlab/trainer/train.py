@@ -26,7 +26,7 @@ from gearlab.credit.options import OptionError
 from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, load_policy, warn_bf16_training
 from gearlab.models.prompt_length import check_prompt_lengths, check_task_prompts
 from gearlab.parallel import distributed
-from gearlab.rollout.factory import resolve_engine
+from gearlab.rollout.factory import engine_from_config, resolve_engine
 from gearlab.trainer.data import PromptDataModule
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
@@ -234,16 +234,19 @@ class PeriodicEval(Callback):
 
     def __init__(self, cfg: Config, task: Task) -> None:
         self.cfg, self.task = cfg, task
+        self.engine = None  # one for every evaluation of the run: its compiled pieces and CUDA graphs are kept
 
     def _run(self, trainer: L.Trainer, module: GRPOModule) -> None:
         from gearlab.trainer.evaluation import cached_start_evaluation, evaluate_model
 
+        if self.engine is None:
+            self.engine = engine_from_config(module.tokenizer, self.task, self.cfg, model=module.policy)
         if module.iterations_done == 0 and trainer.world_size == 1:
             res = cached_start_evaluation(
-                module.policy, module.tokenizer, self.task, self.cfg, self.cfg.model.name_or_path
+                module.policy, module.tokenizer, self.task, self.cfg, self.cfg.model.name_or_path, self.engine
             )
         else:
-            res = evaluate_model(module.policy, module.tokenizer, self.task, self.cfg)
+            res = evaluate_model(module.policy, module.tokenizer, self.task, self.cfg, self.engine)
         k = self.cfg.eval.k
         # named as MLflow stores them ("@" is not allowed in an MLflow metric name), so the name logged, looked up
         # and documented is one: eval/avg_at_4, not eval/avg@4 that the logger would rename

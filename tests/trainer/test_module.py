@@ -154,3 +154,26 @@ def test_cropped_micro_batches_train_as_the_padded_ones(tmp_path, tiny_model_dir
     assert max((p_on[k] - p_off[k]).abs().max().item() for k in p_on) < 1e-5
     assert abs(m_on["update/pg_loss"] - m_off["update/pg_loss"]) < 1e-6
     assert m_on["train/reward"] == m_off["train/reward"]  # the same rollouts
+
+
+def test_passes_that_backpropagate_run_without_cudnn_attention(tmp_path, tiny_model_dir, monkeypatch, graded_task):
+    """cuDNN's SDPA backward returns NaN gradients on some masked inputs (gearlab.core.sdpa): every attention call
+    that builds a graph (the update's forward, OAR-G's input-gradient pass) must run with that backend off, and the
+    flags must come back for the forward-only passes (rollouts keep every backend)."""
+    import torch.nn.functional as F
+
+    seen: list[tuple[bool, bool]] = []  # (grad enabled, cuDNN SDPA enabled) at each attention call
+    real = F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    _run(tmp_path, tiny_model_dir, "false", "assigner=oar_g", "trainer.max_steps=1")
+    with_grad = [cudnn for grad, cudnn in seen if grad]
+    without = [cudnn for grad, cudnn in seen if not grad]
+    assert with_grad and not any(with_grad)  # every differentiated attention call: cuDNN off
+    assert without and any(without)  # the rollout's forward-only calls: cuDNN still allowed
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
