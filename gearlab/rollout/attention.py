@@ -26,11 +26,18 @@ and head count, and with grouped K/V heads (``enable_gqa``) a power-of-two numbe
 ``SPLIT_KV = 2 × SMs // (B × H_kv)``, at least 1: at batch 128 × 8 K/V heads there is one split, so the kernel
 matters at small batches or few K/V heads.
 
-Compilation: one ``torch.compile`` of ``_flex_step`` (``fullgraph``, ``dynamic=None``), shared by every decoder.
-The batch dimension is marked static (the decode kernel needs it; each batch size compiles its own graph); the
-cache length is left to Dynamo's automatic dynamic shapes, so the first length compiles a static graph and the
-second a length-dynamic one that serves the rest (every bucket on CUDA; every step on the CPU, whose uncaptured
-steps use the exact filled length): ~3 compiles per batch size instead of one per length.
+Compilation: one ``torch.compile`` of ``_flex_step`` (``fullgraph``, ``dynamic=True``), shared by every decoder,
+with the batch dimension marked static (the decode kernel needs it): each batch size compiles once for caches of one
+128-position block and once for longer ones (Dynamo specialises a size of 1: the block mask's block count), and no
+bucket or step length compiles anew.
+
+On the CPU the call runs eagerly by default (``FlexDecode(compiled=None)``: compiled on CUDA only): torch's
+reference implementation (it materialises the scores), for CPU tests; the CPU's speed is not what this path is for.
+Compiled, torch 2.13's C++ flex template fails here: at AVX2 — gearlab's CPU pin (``ATEN_CPU_CAPABILITY=avx2``,
+``gearlab.cpu_kernels``) and every AVX2-only CPU — its vectorised read of the captured mask stops with "index out
+of bounds" at every cache length tried (17–300); at AVX-512 the first graph of a batch size is right (tested, with
+Inductor set to AVX-512), but a second one (``dynamic=None``'s length-dynamic recompile, or a second block count)
+fails to compile (``cur_qSplitSize5`` undeclared in the generated C++).
 """
 from __future__ import annotations
 
@@ -58,16 +65,16 @@ def _compiled_step() -> Callable[..., Tensor]:
     if not _COMPILED:
         from gearlab.parallel.compiling import raise_recompile_limit
 
-        raise_recompile_limit()  # (batch sizes × a static and a dynamic length each, over Dynamo's default of 8)
-        _COMPILED.append(torch.compile(_flex_step, fullgraph=True, dynamic=None))
+        raise_recompile_limit()  # (two graphs per batch size: over Dynamo's default of 8 at 5 batch sizes)
+        _COMPILED.append(torch.compile(_flex_step, fullgraph=True, dynamic=True))
     return _COMPILED[0]
 
 
 class FlexDecode:
-    """A decode step's attention with ``flex_attention`` (see the module docstring); ``compiled=False`` runs it
-    eagerly (torch's reference: it materialises the scores; for tests)."""
+    """A decode step's attention with ``flex_attention`` (see the module docstring). ``compiled``: None = on CUDA
+    (the CPU runs torch's eager reference, which materialises the scores), True / False = always / never."""
 
-    def __init__(self, compiled: bool = True) -> None:
+    def __init__(self, compiled: bool | None = None) -> None:
         self.compiled = compiled
         self._masks: dict[tuple[int, torch.device], BlockMask] = {}
 
@@ -83,7 +90,7 @@ class FlexDecode:
         cache's dtype (q is cast to it, as SDPA under autocast computes in one dtype)."""
         q = q.to(k.dtype)
         fn = _flex_step
-        if self.compiled:
+        if self.compiled or (self.compiled is None and k.is_cuda):
             fn = _compiled_step()
             for t in (q, k, v, visible):
                 torch._dynamo.mark_static(t, 0)  # the batch: the decode kernel's split count needs it static
