@@ -85,8 +85,8 @@ class FastDecodeConfig:
     fused_projections: bool = False
     # a decode step's attention: sdpa = PyTorch's scaled_dot_product_attention (no decode kernel: at long caches it
     # does not split the keys across thread blocks) | flex = compiled flex_attention, on CUDA its split-K decode kernel
-    # (more thread blocks per row at small batches or long caches; compiles ~3 times per batch size); prefill stays
-    # sdpa. Speed not yet measured on a GPU
+    # (more thread blocks per row at small batches or long caches; two compiles per batch size; eager on the CPU);
+    # prefill stays sdpa. Speed not yet measured on a GPU
     attention: str = "sdpa"
 
 
