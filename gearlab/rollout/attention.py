@@ -27,9 +27,10 @@ and head count, and with grouped K/V heads (``enable_gqa``) a power-of-two numbe
 matters at small batches or few K/V heads.
 
 Compilation: one ``torch.compile`` of ``_flex_step`` (``fullgraph``, ``dynamic=True``), shared by every decoder,
-with the batch dimension marked static (the decode kernel needs it): each batch size compiles once for caches of one
-128-position block and once for longer ones (Dynamo specialises a size of 1: the block mask's block count), and no
-bucket or step length compiles anew.
+with the batch dimension marked static (the decode kernel needs it) and the scale specialised (a constant, not a
+tensor input): each batch size compiles once for caches of one 128-position block and once for longer ones (Dynamo
+specialises a size of 1: the block mask's block count), and no bucket or step length compiles anew (seen on the
+CPU; on CUDA not yet run).
 
 On the CPU the call runs eagerly by default (``FlexDecode(compiled=None)``: compiled on CUDA only): torch's
 reference implementation (it materialises the scores), for CPU tests; the CPU's speed is not what this path is for.
@@ -66,7 +67,9 @@ def _compiled_step() -> Callable[..., Tensor]:
         from gearlab.parallel.compiling import raise_recompile_limit
 
         raise_recompile_limit()  # (two graphs per batch size: over Dynamo's default of 8 at 5 batch sizes)
-        _COMPILED.append(torch.compile(_flex_step, fullgraph=True, dynamic=True))
+        compiled = torch.compile(_flex_step, fullgraph=True, dynamic=True)
+        # the scale stays a constant of the kernel: under dynamic=True Dynamo would make a float argument a tensor input
+        _COMPILED.append(torch._dynamo.config.patch(specialize_float=True)(compiled))
     return _COMPILED[0]
 
 
