@@ -83,6 +83,11 @@ class FastDecodeConfig:
     # every call (memory: those projections' parameters once more, in bf16 0.55 / 4.39 / 8.44 GiB at Qwen3 0.6B / 4B
     # / 8B)
     fused_projections: bool = False
+    # a decode step's attention: sdpa = PyTorch's scaled_dot_product_attention (no decode kernel: at long caches it
+    # does not split the keys across thread blocks) | flex = compiled flex_attention, on CUDA its split-K decode kernel
+    # (more thread blocks per row at small batches or long caches; two compiles per batch size; eager on the CPU);
+    # prefill stays sdpa. Speed not yet measured on a GPU
+    attention: str = "sdpa"
 
 
 @dataclass
@@ -489,6 +494,7 @@ _CHOICES = {
     "rollout.engine": ("auto", "hf", "fast", "vllm"),
     "credit_eval.truth": ("located", "mc", "both"),
     "rollout.fast.cuda_graphs": ("auto", "on", "off"),
+    "rollout.fast.attention": ("sdpa", "flex"),
     "rollout.fast.sharded_weights": ("gather", "replica"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
     "rollout.vllm.sleep": ("auto", "on", "off"),

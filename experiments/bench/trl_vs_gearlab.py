@@ -16,9 +16,11 @@ disable_compile=False`` set after construction, not a TRL option: docs/hardware.
 ``gearlab_default`` (micro-batch 8, checkpointing, ``rollout.static_cache`` + ``trainer.compile``),
 ``gearlab_tuned`` (micro-batch 64, no checkpointing, static cache + compile), ``gearlab_fast`` (the tuned update
 with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step one CUDA graph) and
-``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``), ``gearlab_vllm`` (the tuned update with
-``rollout.engine=vllm``: a colocated bf16 vLLM engine with CUDA graphs, asleep during the update, synced in place
-after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp32_master`` (the same with fp32
+``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``), ``gearlab_fast_fused`` (compiled, with
+``rollout.fast.fused_projections``), ``gearlab_fast_flex`` (compiled, decode attention with
+``rollout.fast.attention=flex``: compiled flex_attention's split-K decode kernel), ``gearlab_vllm`` (the tuned
+update with ``rollout.engine=vllm``: a colocated bf16 vLLM engine with CUDA graphs, asleep during the update, synced
+in place after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp32_master`` (the same with fp32
 master weights next to the bf16 engine) and ``trl_vllm`` (TRL's colocated vLLM mode with its tuned update); the older \
 names ``gearlab``,
 ``gearlab_static``, ``gearlab_static_compiled``, ``trl`` and ``trl_static`` remain. Iteration 1 (compilation,
@@ -173,7 +175,7 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro:
 
 def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: bool = False, micro: int = 8,
                 checkpointing: bool = True, engine: str = "hf", fast_compile: bool = False, profile: bool = False,
-                master: str = "bfloat16", fused: bool = False) -> dict:
+                master: str = "bfloat16", fused: bool = False, attention: str = "sdpa") -> dict:
     import lightning as L
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -195,7 +197,7 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
                        f"trainer.activation_checkpointing={checkpointing}", "optim.lr=1e-6", "signals.chunk_size=1024",
                        f"trainer.max_steps={iters}", f"rollout.static_cache={static}", f"trainer.compile={compiled}",
                        f"rollout.engine={engine}", f"rollout.fast.compile={fast_compile}",
-                       f"rollout.fast.fused_projections={fused}", *vllm_opts])
+                       f"rollout.fast.fused_projections={fused}", f"rollout.fast.attention={attention}", *vllm_opts])
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
@@ -275,6 +277,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                           "checkpointing": False}),
     "gearlab_fast_fused": ("gearlab", {"engine": "fast", "fast_compile": True, "fused": True, "compiled": True,
                                        "micro": 64, "checkpointing": False}),
+    "gearlab_fast_flex": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "flex", "compiled": True,
+                                      "micro": 64, "checkpointing": False}),
     "gearlab_vllm": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm_fp32_master": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False,
                                              "master": "float32"}),

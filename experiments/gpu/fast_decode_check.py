@@ -10,8 +10,17 @@ Checks (each a key of the JSON, with pass/fail and the numbers):
   after_step         an in-place optimizer step, then a rollout through the already-captured graphs: the engine's
                      log-probs match the trainer's forward under the NEW weights
   bf16_0.6b          the Qwen3-0.6B shape in bf16, 128 × 64-token prompts, 256 new tokens: ms per decode step for
-                     HF static-cache compiled generate, fast eager, fast + graphs, fast + compile + graphs (each
-                     after a warm-up call), engine-vs-trainer log-prob mismatch (mean |Δ|), greedy agreement with HF
+                     HF static-cache compiled generate, fast eager, fast + graphs, fast + compile + graphs (also
+                     fused, and with flex attention; each after a warm-up call), engine-vs-trainer log-prob mismatch
+                     (mean |Δ|), greedy agreement with HF
+  flex_*             rollout.fast.attention=flex (compiled flex_attention at decode steps; eager on the CPU), small
+                     fp32 model: greedy = HF generate (flex_greedy_fp32); sampled tokens = the SDPA path's and
+                     log-probs within 1e-5 (flex_vs_sdpa); after an in-place optimizer step (flex_after_step)
+  flex_long          the 0.6B shape in bf16 at long caches (64-token prompts, 1,024 new tokens) and small batches:
+                     ms per decode step, SDPA vs flex (compile + graphs), each one's engine-vs-trainer mismatch, and
+                     the flex kernels an uncaptured step launches (Inductor's flex decoding kernel or not)
+
+``--only check_flex,check_flex_long`` runs just those checks (names: ``CHECKS``).
 """
 from __future__ import annotations
 
@@ -106,6 +115,25 @@ def check_small_fused(res: dict, tok, model, eng, ids, mask) -> None:
     res["fused_after_step"] = step_then_decode(fast, model, ids, mask, sp, a)
 
 
+def check_flex(res: dict) -> None:
+    """rollout.fast.attention=flex on the small fp32 model (CUDA graphs and compiled flex_attention on a GPU)."""
+    tok, model, eng, ids, mask = small_setup()
+    greedy = SamplingParams(max_new_tokens=48, greedy=True)
+    ref, ref_mask = eng.sample(model, ids, mask, greedy, seed=0)
+    fast = FastDecoder(tok, batch_size=128, attention="flex")
+    out, omask, _ = fast.sample(model, ids, mask, greedy, seed=0)
+    res["flex_greedy_fp32"] = {"pass": bool(torch.equal(out, ref) and torch.equal(omask, ref_mask)),
+                               "rows_equal": int((out == ref).all(1).sum()) if out.shape == ref.shape else 0}
+    sp = SamplingParams(max_new_tokens=48)
+    a = fast.sample(model, ids, mask, sp, seed=5)
+    b = FastDecoder(tok, batch_size=128).sample(model, ids, mask, sp, seed=5)
+    same = a[0].shape == b[0].shape and torch.equal(a[0], b[0])
+    diff = float((a[2] - b[2])[b[1]].abs().max()) if same else float("nan")
+    res["flex_vs_sdpa"] = {"pass": bool(same and diff < 1e-5), "max_lp_diff": diff,
+                           "graphs_captured": fast.stats()["fast/graphs_captured"]}
+    res["flex_after_step"] = step_then_decode(fast, model, ids, mask, sp, a)
+
+
 def step_then_decode(fast, model, ids, mask, sp, a) -> dict:
     """One in-place optimizer step on the rollout ``a``, then a rollout through the graphs captured before it: its
     log-probs against the trainer's."""
@@ -122,7 +150,8 @@ def step_then_decode(fast, model, ids, mask, sp, a) -> dict:
     return {"pass": diff < 1e-4, "max_lp_diff": diff, "graphs_captured": fast.stats()["fast/graphs_captured"]}
 
 
-def check_06b(res: dict) -> None:
+def bench_setup():
+    """The benchmark's 0.6B-shape bf16 model (random weights), tokenizer, task, HF engine and its 16 × 8 prompts."""
     sys.path.insert(0, str(ROOT / "experiments" / "bench"))
     import trl_vs_gearlab as bench  # the benchmark's model, tokenizer and prompts
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,17 +166,25 @@ def check_06b(res: dict) -> None:
     eng = HFRolloutEngine(tok, task, batch_size=bench.PROMPTS * bench.G)
     ids, mask = eng.encode_prompts(task.problems("train", bench.PROMPTS))
     ids, mask = ids.repeat_interleave(bench.G, 0), mask.repeat_interleave(bench.G, 0)
+    return bench, tok, model, task, eng, ids, mask
+
+
+def timed(fn):
+    """(seconds of the second call, its result): the first is the warm-up (compilation, graph capture)."""
+    fn()
+    sync()
+    t = time.perf_counter()
+    r = fn()
+    sync()
+    return time.perf_counter() - t, r
+
+
+def check_06b(res: dict) -> None:
+    from gearlab.rollout.hf import HFRolloutEngine
+
+    bench, tok, model, task, eng, ids, mask = bench_setup()
     sp = SamplingParams(max_new_tokens=bench.NEW)
     out = {"rows": len(ids), "new_tokens": bench.NEW}
-
-    def timed(fn):
-        fn()  # warm-up: compilation, graph capture
-        sync()
-        t = time.perf_counter()
-        r = fn()
-        sync()
-        return time.perf_counter() - t, r
-
     if DEV.type == "cuda":
         static = HFRolloutEngine(tok, task, batch_size=len(ids), static_cache=True)
         s, _ = timed(lambda: static.sample(model, ids, mask, sp, seed=0))
@@ -155,7 +192,8 @@ def check_06b(res: dict) -> None:
     # compile set explicitly: its default (None) is on with CUDA
     for name, kw in (("fast_eager", dict(cuda_graphs="off", compile=False)), ("fast_graphs", dict(compile=False)),
                      ("fast_compiled_graphs", dict(compile=True)),
-                     ("fast_compiled_graphs_fused", dict(compile=True, fused=True))):
+                     ("fast_compiled_graphs_fused", dict(compile=True, fused=True)),
+                     ("fast_compiled_graphs_flex", dict(compile=True, attention="flex"))):
         if name != "fast_eager" and DEV.type != "cuda":
             continue
         gen = FastDecoder(tok, batch_size=len(ids), **kw)
@@ -175,13 +213,70 @@ def check_06b(res: dict) -> None:
     res["bf16_0.6b"] = out
 
 
+def check_flex_long(res: dict) -> None:
+    """Decode steps at long caches and small batches, where a split-K decode kernel should pay: SDPA vs flex."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench, tok, model, task, eng, ids, mask = bench_setup()
+    new = 64 if SMOKE else 1024
+    out = {"new_tokens": new, "prompt_tokens": ids.shape[1]}
+    for rows in (8, 32):
+        sp = SamplingParams(max_new_tokens=new)
+        for attention in ("sdpa", "flex"):
+            gen = FastDecoder(tok, batch_size=rows, attention=attention)
+            gen.stop_ids = [-1]  # every row runs the whole length (a random model rarely samples the end token)
+            s, (resp, rmask, lp) = timed(lambda: gen.sample(model, ids[:rows], mask[:rows], sp, seed=0))
+            with torch.no_grad():
+                ref = trainer_logprobs(model, ids[:rows], mask[:rows], resp, rmask).float().cpu()
+            out[f"{attention}_b{rows}_ms_per_step"] = round(1000 * s / gen.stats()["fast/steps"], 3)
+            out[f"{attention}_b{rows}_engine_lp_diff_abs_mean"] = round(float((ref - lp)[rmask].abs().mean()), 5)
+    gen = FastDecoder(tok, batch_size=8, cuda_graphs="off", attention="flex")  # uncaptured: the profiler sees kernels
+    short = SamplingParams(max_new_tokens=8)
+    gen.sample(model, ids[:8], mask[:8], short, seed=0)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else [])) as prof:
+        gen.sample(model, ids[:8], mask[:8], short, seed=0)
+        sync()
+    out["flex_kernels"] = sorted({e.key[:100] for e in prof.key_averages()
+                                  if "flex" in e.key.lower() or "triton_tem" in e.key})[:10]
+    out["inductor_flex_decoding_choices"] = FLEX_DECODING_LOG[:10]  # Inductor's own "Use flex decoding …" lines
+    res["flex_long"] = out
+
+
+FLEX_DECODING_LOG: list[str] = []
+
+
+def log_flex_decoding_choices() -> None:
+    """Record Inductor's decision, at each compile of flex_attention on CUDA, whether to use its decode kernel
+    (``_use_flex_decoding`` logs it at DEBUG level)."""
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            FLEX_DECODING_LOG.append(record.getMessage()[:300])
+
+    log = logging.getLogger("torch._inductor.kernel.flex.flex_decoding")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Keep(logging.DEBUG))
+
+
+CHECKS = {"check_small": check_small, "check_flex": check_flex, "check_06b": check_06b,
+          "check_flex_long": check_flex_long}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="fast_decode_check.json")
-    ap.add_argument("--skip-0.6b", dest="skip_big", action="store_true")
+    ap.add_argument("--skip-0.6b", dest="skip_big", action="store_true", help="only the small model's checks")
+    ap.add_argument("--only", default="", help=f"comma-separated checks to run, of {', '.join(CHECKS)}")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(0) if DEV.type == "cuda" else "cpu", "torch": torch.__version__}
-    for fn in (check_small,) + (() if a.skip_big else (check_06b,)):
+    names = a.only.split(",") if a.only else [n for n in CHECKS if not (a.skip_big and n in ("check_06b",
+                                                                                          "check_flex_long"))]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        sys.exit(f"--only: unknown check(s) {', '.join(unknown)} (known: {', '.join(CHECKS)})")
+    log_flex_decoding_choices()
+    for fn in (CHECKS[n] for n in names):
         try:
             fn(res)
         except Exception as e:  # report and go on: one call should return every check it can

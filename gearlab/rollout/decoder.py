@@ -19,10 +19,14 @@ the compute dtype (``FusedWeights``: extra memory = those projections' parameter
 ``refresh_fused`` rewrites the copies in place from the model's weights (the fast engine calls it at every call, so
 optimizer steps are seen and captured graphs, which point at the copies, stay valid).
 
-Simplifications: attention is PyTorch's ``scaled_dot_product_attention`` over the first ``L`` cache positions (a
-bucket length fixed per captured graph, ≥ the filled length) with a boolean mask — on CUDA at decode its own
-grouped-query path; the numerics equal HF's SDPA path to float tolerance (tested: greedy tokens equal
-``generate``'s, log-probs equal the trainer's).
+``attention="flex"`` runs a decode step's attention with compiled ``flex_attention`` instead of SDPA (on CUDA its
+split-K decode kernel; ``gearlab.rollout.attention``); prefill stays SDPA.
+
+Simplifications: attention is PyTorch's ``scaled_dot_product_attention`` (or, for decode steps with
+``attention="flex"``, ``flex_attention`` with the mask as a score modification) over the first ``L`` cache
+positions (a bucket length fixed per captured graph, ≥ the filled length) with a boolean mask — on CUDA at decode
+SDPA's own grouped-query path; the numerics equal HF's SDPA path to float tolerance (tested: greedy tokens equal
+``generate``'s, log-probs equal the trainer's; the flex step's logits equal the SDPA step's).
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from gearlab.rollout.attention import ATTENTION, FlexDecode
 
 ARCH_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -182,10 +188,12 @@ class KVCache:
 class Decoder:
     """Prefill and one-token decode steps of ``model`` over a ``KVCache`` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, compile: bool = False, fused: bool = False) -> None:
+    def __init__(self, model: nn.Module, compile: bool = False, fused: bool = False, attention: str = "sdpa") -> None:
         reason = supports(model)
         if reason:
             raise ValueError(f"rollout.engine=fast: {reason}")
+        if attention not in ATTENTION:
+            raise ValueError(f"rollout.fast.attention: {attention!r} is not one of {', '.join(ATTENTION)}")
         base = getattr(model, model.base_model_prefix)
         self.model, self.base = model, base
         self.layers = list(base.layers)
@@ -200,6 +208,8 @@ class Decoder:
         self.compiled = compile
         self.fused = fused
         self.fw: FusedWeights | None = None  # made and refreshed by refresh_fused
+        self.attention = attention
+        self.flex = FlexDecode() if attention == "flex" else None  # decode steps' attention (gearlab.rollout.attention)
         if compile:
             # the two pieces around attention, for decode steps: their shapes are the same at every step and every
             # cache length, so each compiles once for the first batch size (and once more, with a dynamic batch
@@ -258,24 +268,31 @@ class Decoder:
             kc, vc = cache.keys[i], cache.values[i]
             kc.index_copy_(2, write_at, k.to(kc.dtype))
             vc.index_copy_(2, write_at, v.to(vc.dtype))
-            H = q.shape[1]
-            if S == 1 and H != self.n_kv and not kc.is_cuda:
-                # one decode position: the query heads sharing a K/V head become that head's "query positions", so
-                # each K/V head is read once and no expanded copy exists (head h uses K/V head h // (H / H_kv), as HF).
-                # On CUDA, SDPA's own grouped-query path (cuDNN) is faster at decode: 54 vs 70 µs per layer on an
-                # H100 at batch 128 over 128-320 cached positions (experiments/bench/results/decode_attention_h100.json)
-                qg = q.reshape(B, self.n_kv, H // self.n_kv, self.head_dim)
-                o = F.scaled_dot_product_attention(qg, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
-                                                   scale=self.scaling).reshape(B, H, 1, self.head_dim)
-            else:
-                o = F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
-                                                   scale=self.scaling, enable_gqa=H != self.n_kv)
+            o = self._attend(q, kc, vc, length, mask)
             o = o.transpose(1, 2).reshape(B, S, -1)
             if fw is not None and fw.gate_up[i] is not None:
                 h = attn_out_f(layer, fw.gate_up[i], fw.gate_up_bias[i], h, o)
             else:
                 h = attn_out(layer, h, o)
         return self.base.norm(h[:, -1])
+
+    def _attend(self, q: Tensor, kc: Tensor, vc: Tensor, length: int, mask: Tensor) -> Tensor:
+        """Attention of q [B, H, S, D] over the first ``length`` positions of one layer's cache under ``mask``
+        [B, 1, S, length] → [B, H, S, D]."""
+        B, H, S, _ = q.shape
+        if S == 1 and self.flex is not None:
+            return self.flex(q, kc[:, :, :length], vc[:, :, :length], mask[:, 0, 0].expand(B, length),
+                             self.scaling)
+        if S == 1 and H != self.n_kv and not kc.is_cuda:
+            # one decode position: the query heads sharing a K/V head become that head's "query positions", so
+            # each K/V head is read once and no expanded copy exists (head h uses K/V head h // (H / H_kv), as HF).
+            # On CUDA, SDPA's own grouped-query path (cuDNN) is faster at decode: 54 vs 70 µs per layer on an
+            # H100 at batch 128 over 128-320 cached positions (experiments/bench/results/decode_attention_h100.json)
+            qg = q.reshape(B, self.n_kv, H // self.n_kv, self.head_dim)
+            return F.scaled_dot_product_attention(qg, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
+                                                  scale=self.scaling).reshape(B, H, 1, self.head_dim)
+        return F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
+                                              scale=self.scaling, enable_gqa=H != self.n_kv)
 
     def prefill(self, ids: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
         """Left-padded prompts ids/mask [B, P] into cache positions [0, P); returns the last position's logits

@@ -70,7 +70,7 @@ class FastDecoder:
 
     def __init__(self, tokenizer: Any, *, batch_size: int = 64, cuda_graphs: str = "auto", bucket: int = 64,
                  check_every: int = 8, compile: bool | None = None, sharded_weights: str = "gather",
-                 fused: bool = False) -> None:
+                 fused: bool = False, attention: str = "sdpa") -> None:
         self.tok = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer)
@@ -80,6 +80,7 @@ class FastDecoder:
         self.check_every = check_every
         self.compile = compile  # None: on with CUDA (resolved per policy, in _decoder_for)
         self.fused = fused  # q/k/v and gate/up as one GEMM each over copies refreshed at every call (Decoder)
+        self.attention = attention  # sdpa | flex: a decode step's attention (Decoder, gearlab.rollout.attention)
         self._runs: dict[tuple, _Run] = {}
         self._decoder: Decoder | None = None
         self._pool = None
@@ -99,7 +100,7 @@ class FastDecoder:
         commands gather: a second resident copy would only cost memory)."""
         f = cfg.rollout.fast
         return cls(tokenizer, batch_size=cfg.rollout.batch_size, cuda_graphs=f.cuda_graphs, bucket=f.bucket,
-                   check_every=f.check_every, compile=f.compile, fused=f.fused_projections,
+                   check_every=f.check_every, compile=f.compile, fused=f.fused_projections, attention=f.attention,
                    sharded_weights=f.sharded_weights if training else "gather")
 
     # -- the TokenGenerator protocol ------------------------------------------------------------
@@ -212,7 +213,8 @@ class FastDecoder:
     def _decoder_for(self, model: nn.Module) -> Decoder:
         compile = self.compile if self.compile is not None else next(model.parameters()).is_cuda
         d = self._decoder
-        if d is None or d.model is not model or d.compiled != compile or d.fused != self.fused:
+        if (d is None or d.model is not model or d.compiled != compile or d.fused != self.fused
+                or d.attention != self.attention):
             if compile:  # (the limit compiled layers use; the decoder's pieces need at most 2 graphs each)
                 from gearlab.parallel.compiling import raise_recompile_limit
 
@@ -220,7 +222,7 @@ class FastDecoder:
             # compiled: each layer's pieces around attention (Decoder), not the whole step — a whole 28-layer step
             # compiled once per bucket length took minutes, and Inductor's scan over a 151,936-wide vocabulary (the
             # sampler's cumsum) fails to generate code in torch 2.11
-            self._decoder = Decoder(model, compile=compile, fused=self.fused)
+            self._decoder = Decoder(model, compile=compile, fused=self.fused, attention=self.attention)
             self.free()
         return self._decoder
 

@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from gearlab.core.logprobs import position_ids_from_mask
-from gearlab.rollout.decoder import Decoder, FusedWeights, supports
+from gearlab.rollout.decoder import Decoder, FusedWeights, KVCache, supports
 
 
 def _llama(vocab: int) -> LlamaForCausalLM:
@@ -137,3 +137,76 @@ def test_fused_copies_of_fp32_masters_are_in_the_autocast_dtype(tiny_model_facto
         assert {t.dtype for t in fused.fw.qkv + fused.fw.gate_up} == {torch.bfloat16}
         ours, ref = _step_logits(fused, ids, mask), _step_logits(plain, ids, mask)
     assert (ours - ref).abs().max() < 0.1 * ref.abs().max() and (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.6
+
+
+def _avx512() -> bool:
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    return any(isa.bit_width() == 512 for isa in valid_vec_isa_list())
+
+
+def _inductor_at_avx512(on: bool):
+    """Inductor's CPU code for AVX-512 (``cpp.simdlen``), whatever ATEN_CPU_CAPABILITY says; ATen's kernels keep it."""
+    from contextlib import nullcontext
+
+    from torch._inductor import config
+
+    return config.patch({"cpp.simdlen": 512}) if on else nullcontext()
+
+
+def _llama_mha(vocab: int) -> LlamaForCausalLM:
+    """As many K/V heads as query heads: flex_attention without ``enable_gqa``."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("arch,compiled", [("qwen3", False), ("llama_gqa", True), ("qwen2_bias", False),
+                                           ("llama_mha", False)])
+def test_a_flex_decode_step_gives_the_sdpa_steps_logits_and_masked_positions_do_not_leak(
+        tiny_model_factory, tokenizer, arch, compiled):
+    """rollout.fast.attention=flex: one decode step over a 20-position bucket of a 24-position cache holding 12
+    left-padded prompt positions (rows padded by 5, 0 and 1) gives the SDPA step's logits and writes the same keys
+    and values (fp32 on the CPU, to 2e-5 as the other decoder tests), with large random values (1e4 · N(0, 1)) in
+    every masked cache position: the left padding, the bucket's unfilled tail and the cache beyond it. Eager
+    flex_attention (torch's reference implementation, the CPU's default), and once ``compiled``: Inductor's C++
+    template (~7 s to compile), generated for AVX-512 (at AVX2, gearlab's CPU pin, torch 2.13's template fails:
+    gearlab.rollout.attention), skipped on a CPU without it."""
+    from gearlab.rollout.attention import FlexDecode
+
+    if compiled and not _avx512():
+        pytest.skip("compiled flex_attention on the CPU needs AVX-512 (torch 2.13's C++ template fails at AVX2)")
+    vocab = len(tokenizer)
+    model = {"qwen3": lambda: tiny_model_factory(0).eval(), "llama_gqa": lambda: _llama(vocab),
+             "qwen2_bias": lambda: _qwen2(vocab), "llama_mha": lambda: _llama_mha(vocab)}[arch]()
+    ids, mask = _prompts(vocab)
+    sdpa, flex = Decoder(model), Decoder(model, attention="flex")
+    flex.flex = FlexDecode(compiled=compiled)
+    L, at = 20, 12
+    visible = torch.cat([mask.bool(), torch.ones(3, L - at, dtype=torch.bool)], 1) & (torch.arange(L) <= at)
+    nxt = torch.tensor([[7], [8], [9]])
+
+    def step(dec, cache):
+        h = dec.forward(nxt, mask.sum(1, keepdim=True), cache, torch.tensor([at]), L, visible[:, None, None, :])
+        return dec.logits(h)
+
+    with torch.no_grad():
+        clean = sdpa.new_cache(3, 24)
+        sdpa.prefill(ids, mask, clean)
+        dirty = KVCache([k.clone() for k in clean.keys], [v.clone() for v in clean.values])
+        g = torch.Generator().manual_seed(3)
+        hidden = ~torch.cat([mask.bool(), torch.ones(3, 24 - at, dtype=torch.bool)], 1)  # left padding
+        hidden[:, at + 1:] = True  # the unfilled positions, in the bucket and past it
+        for t in dirty.keys + dirty.values:
+            junk = 1e4 * torch.randn(t.shape, generator=g)
+            t.copy_(torch.where(hidden[:, None, :, None], junk, t))
+        ref = step(sdpa, clean)
+        torch._dynamo.reset()  # (a graph compiled by another test, e.g. under autocast, is not this one's)
+        with _inductor_at_avx512(compiled):
+            ours = step(flex, dirty)
+        assert torch.allclose(ours, ref, atol=2e-5), (ours - ref).abs().max()
+        assert torch.allclose(step(sdpa, dirty), ref, atol=2e-5)  # (the junk is masked for SDPA too)
+        for a, b in zip(dirty.keys + dirty.values, clean.keys + clean.values):
+            assert torch.allclose(a[:, :, at], b[:, :, at], atol=2e-5)
+        assert set(flex.flex._masks) == {(L, torch.device("cpu"))}  # one block mask for the bucket, reused

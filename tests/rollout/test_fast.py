@@ -111,6 +111,35 @@ def test_fused_projections_sample_the_trainers_logprobs_after_every_optimizer_st
                 p.add_(0.05 * torch.randn_like(p))
 
 
+@pytest.mark.parametrize("shapes,compiled", [("off", None), ("on", None), ("off", True)])
+def test_flex_attention_rollout_gives_the_sdpa_tokens_and_logprobs(setup, tokenizer, shapes, compiled):
+    """rollout.fast.attention=flex: a whole greedy rollout with flex_attention at every decode step gives the tokens
+    of the SDPA rollout and log-probs within 1e-5 (fp32), at exact lengths and at the CUDA-graph path's padded
+    prompts and 8-token buckets, 3 rows per batch (the last chunk of 7 prompts has another batch size). On the CPU
+    flex_attention runs eagerly by default; once compiled (Inductor's C++ template at AVX-512, as in
+    test_decoder.py; skipped without it), one graph per batch size serves every length."""
+    from torch._dynamo.utils import counters
+
+    from tests.rollout.test_decoder import _avx512, _inductor_at_avx512
+
+    if compiled and not _avx512():
+        pytest.skip("compiled flex_attention on the CPU needs AVX-512 (torch 2.13's C++ template fails at AVX2)")
+    model, _, ids, mask = setup
+    sp = SamplingParams(max_new_tokens=16, greedy=True)
+    ref = FastDecoder(tokenizer, batch_size=3, bucket=8, cuda_graphs=shapes).sample(model, ids, mask, sp, seed=0)
+    flex = FastDecoder(tokenizer, batch_size=3, bucket=8, cuda_graphs=shapes, attention="flex")
+    flex._decoder_for(model).flex.compiled = compiled
+    torch._dynamo.reset()
+    counters.clear()
+    with _inductor_at_avx512(bool(compiled)):
+        out = flex.sample(model, ids, mask, sp, seed=0)
+    assert flex._decoder.attention == "flex"
+    if compiled:  # one graph for batches of 3 and one for the last row: none for the other lengths
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert (out[2] - ref[2])[ref[1]].abs().max() < 1e-5
+
+
 def test_a_rows_samples_depend_on_its_seed_alone(setup, tokenizer):
     """Row i of a call draws with seed + i: the same row, alone or in another batch, with any decode batch size
     or bucket, gets the same tokens; another seed gives other tokens."""
@@ -233,10 +262,21 @@ def test_config_keys():
 
     assert load_config(["rollout.engine=fast", "algorithm.engine_is=icepop"]).rollout.fast.bucket == 64
     assert load_config(["rollout.fast.fused_projections=true"]).rollout.fast.fused_projections is True
+    assert load_config([]).rollout.fast.attention == "sdpa"
+    assert load_config(["rollout.fast.attention=flex"]).rollout.fast.attention == "flex"
     for bad in (["rollout.engine=fast", "rollout.fast.bucket=0"], ["rollout.fast.cuda_graphs=maybe"],
-                ["rollout.engine=fastest"]):
+                ["rollout.engine=fastest"], ["rollout.fast.attention=foo"]):
         with pytest.raises(ConfigError):
             load_config(bad)
+
+
+def test_a_bad_attention_value_exits_2_with_one_line(capsys):
+    from gearlab.cli import main
+
+    assert main(["train", "rollout.fast.attention=foo", "--print-config"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip().splitlines() == [
+        "gearlab: error: key 'rollout.fast.attention': 'foo' is not one of sdpa, flex"]
 
 
 def test_fsdp2_two_processes_decode_the_gathered_weights_or_their_replica(tmp_path, tiny_model_dir):
