@@ -48,14 +48,12 @@ from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 from gearlab.core.metrics import sanitize_metric_key
 from gearlab.commands.report_credit import credit_eval_table, credit_evals  # noqa: F401 (credit_eval_table re-exported)
 from gearlab.commands.report_plot import CURVE, SMOOTH, _band, _bounds, _plot, _smooth  # noqa: F401 (re-exported)
-from gearlab.core.power import mde_paired, paired_sd, reported_interval, seeds_needed, t_interval
+from gearlab.commands.report_rows import (ALPHA, POWER, TOOL_METRICS, Collected, _history, _num, collect,  # noqa: F401
+                                          method_row)
+from gearlab.core.power import t_interval
 from gearlab.trainer.provenance import TAG_PREFIX
 
 DEFAULT_METRIC = "eval/greedy_accuracy"
-POWER, ALPHA = 0.8, 0.05  # the power line: detectable at 80% power, two-sided paired t-test at 5%
-# multi-turn tasks: how the final greedy episodes used their tools (a second table when runs logged them)
-TOOL_METRICS = {"eval/greedy_tool_call_frac": "called a tool", "eval/greedy_correct_call_frac": "correct calls",
-                "eval/greedy_finish_frac": "finished", "eval/greedy_turns_mean": "turns"}
 
 
 @dataclass
@@ -78,15 +76,6 @@ def _fmt(mean: float, hw: float | None, n: int, pct: bool = False, note: str | N
     if hw is not None:
         return f"{f(mean)} ± {f(hw)} (n={n})"
     return f"{f(mean)} (n={n}, {note})" if note else f"{f(mean)} (n={n})"
-
-
-def _history(client: mlflow.MlflowClient, run_id: str, key: str) -> list[tuple[int, float, int]]:
-    h = client.get_metric_history(run_id, sanitize_metric_key(key))
-    last: dict[int, Any] = {}
-    for m in h:  # a resumed run may log a step twice: keep the latest value
-        if m.step not in last or m.timestamp >= last[m.step].timestamp:
-            last[m.step] = m
-    return [(s, last[s].value, last[s].timestamp) for s in sorted(last)]
 
 
 def load_comparison(tracking: str, comparison: str) -> tuple[mlflow.MlflowClient, Any, list[Any], list[Any]]:
@@ -113,134 +102,23 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     ``credit/adv_std``, ``credit/sign_flip_frac``), each plotted across methods like the training accuracy, into
     ``curves_<metric>.png`` (a metric no run logged gets a note instead)."""
     client, parent, children, _ = load_comparison(tracking, comparison)
-    tag_metric = parent.data.tags.get("primary_metric") if parent is not None else None
-    if metric:
-        metric_source = "argument"
-    elif tag_metric:
-        metric, metric_source = tag_metric, "parent tag primary_metric"
-    else:
-        metric, metric_source = DEFAULT_METRIC, "default"
-    # the name on record: eval/avg@4 (typed, or an older parent's tag) is eval/avg_at_4
-    metric = sanitize_metric_key(metric)
-    if parent is not None:
-        baseline = parent.data.tags.get("baseline", baseline) if baseline is None else baseline
-        # methods_json: the methods in order (grid-point labels may contain commas); older parents: "assigners"
-        order = (json.loads(parent.data.tags["methods_json"]) if "methods_json" in parent.data.tags
-                 else parent.data.tags.get("assigners", "").split(","))
-        seeds = [int(s) for s in parent.data.tags.get("seeds", "").split(",") if s]
-    else:
-        order, seeds = sorted({r.data.tags["assigner"] for r in children}), []
-    order = [a for a in order if a] or sorted({r.data.tags["assigner"] for r in children})
+    metric, metric_source = _primary_metric(parent, metric)
+    baseline, order, seeds = _design(parent, children, baseline)
     finished = {(r.data.tags["assigner"], int(r.data.tags["seed"])): r for r in children
                 if r.info.status == RunStatus.to_string(RunStatus.FINISHED)}
     seeds = seeds or sorted({s for _, s in finished})
     missing = [f"{a}-s{s} ({_status(children, a, s)})" for a in order for s in seeds if (a, s) not in finished]
-    key = sanitize_metric_key(metric)
-    final: dict[str, dict[int, float]] = {a: {} for a in order}
-    start: dict[str, dict[int, float]] = {a: {} for a in order}  # the metric before training (its first point)
-    curves: dict[str, dict[int, list[float]]] = {a: {} for a in order}
-    cost: dict[str, list[dict[str, float]]] = {a: [] for a in order}
-    reach: dict[str, list[dict[str, float] | None]] = {a: [] for a in order}
-    tool_final: dict[str, dict[str, list[float]]] = {}
-    for (a, s), r in finished.items():
-        if a not in final:
-            continue
-        hist = _history(client, r.info.run_id, key)
-        if hist:
-            final[a][s] = hist[-1][1]
-            if len(hist) > 1 and hist[0][0] == 0:
-                start[a][s] = hist[0][1]
-        for k in TOOL_METRICS:
-            h = _history(client, r.info.run_id, k)
-            if h:
-                tool_final.setdefault(a, {}).setdefault(k, []).append(h[-1][1])
-        acc = _history(client, r.info.run_id, CURVE)
-        curves[a][s] = [v for _, v, _ in acc]
-        it_time = [sum(v) for v in zip(*[[x for _, x, _ in _history(client, r.info.run_id, f"time/{p}")]
-                                          for p in ("rollout_s", "signals_credit_s", "update_s")])]
-        toks = _history(client, r.info.run_id, "train/generated_tokens_total")
-        cost[a].append({"s_per_iter": sum(it_time) / max(1, len(it_time)),
-                        "wall_min": ((r.info.end_time or 0) - r.info.start_time) / 60000,
-                        "tokens": toks[-1][1] if toks else float("nan")})
-        if target is not None and acc:
-            sm = _smooth([v for _, v, _ in acc])
-            hit = next((i for i, v in enumerate(sm) if v >= target), None)
-            tok_at = {st: v for st, v, _ in toks}
-            reach[a].append(None if hit is None else {
-                "steps": acc[hit][0] + 1, "wall_s": (acc[hit][2] - acc[0][2]) / 1000, "tokens": tok_at.get(acc[hit][0],
-                float("nan"))})
-    rows = []
-    for a in order:
-        vals = [final[a][s] for s in sorted(final[a])]
-        mean, hw, note = reported_interval(vals)
-        row: dict[str, Any] = {"assigner": a, "n": len(vals), "mean": mean, "ci95": hw, "ci95_note": note}
-        # where the seeds started (the evaluation before the first iteration) and the paired change since
-        learned = sorted(set(final[a]) & set(start[a]))
-        sm, _ = t_interval([start[a][s] for s in learned])
-        cm, chw, cnote = reported_interval([final[a][s] - start[a][s] for s in learned])
-        row.update(start=sm, change=cm, change_ci95=chw, change_n=len(learned), change_note=cnote)
-        row["learning"] = {"mean": _num(cm), "half_width": chw, "n": len(learned), "note": cnote}
-        if a != baseline:
-            common = sorted(set(final[a]) & set(final.get(baseline, {})))
-            diffs = [final[a][s] - final[baseline][s] for s in common]
-            dm, dhw, dnote = reported_interval(diffs)
-            row.update(diff=dm, diff_ci95=dhw, diff_n=len(diffs), diff_note=dnote)
-            sd = paired_sd(diffs)
-            # every seed gave the same difference: an SD of 0 would promise any effect detectable with 2 seeds
-            flat = dnote is not None and dnote.startswith("no spread")
-            row["paired"] = {"diff": _num(dm), "half_width": dhw, "sd": _num(sd),
-                             "mde80": None if flat else _num(mde_paired(sd, len(diffs), power=POWER, alpha=ALPHA)),
-                             "n_needed": None if flat else seeds_needed(effect, sd, power=POWER, alpha=ALPHA),
-                             "n": len(diffs), "note": dnote}
-        c = cost[a]
-        row.update(
-            {k: (sum(x[k] for x in c) / len(c) if c else float("nan")) for k in ("s_per_iter", "wall_min", "tokens")}
-        )
-        if target is not None:
-            hits = [x for x in reach[a] if x is not None]
-            row["reached"] = f"{len(hits)}/{len(reach[a])}"
-            for k in ("steps", "wall_s", "tokens"):
-                row[f"to_target_{k}"] = sum(h[k] for h in hits) / len(hits) if hits else float("nan")
-        rows.append(row)
+    data = collect(client, finished, order, metric, target)
+    rows = [method_row(a, data, baseline, effect, target) for a in order]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pct = _pct(metric)
-    # order: the paired table, then (multi-turn) tool use, the credit-eval table, warnings, and last the
-    # learning and power lines — what the console shows at the end of a comparison
-    table = _table(rows, metric, baseline, target, pct=pct)
-    if tool_final:
-        for row in rows:
-            row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tool_final.get(row["assigner"], {}).items()}
-        table += "\n\n" + _tool_table(rows)
     labelled = {f"{a}-s{s}": finished[(a, s)] for a in order for s in sorted(s_ for a_, s_ in finished if a_ == a)}
-    evals = credit_evals(client, labelled)
-    credit = None
-    if evals:
-        credit_md, credit = credit_eval_table([d for _, d in evals])
-        credit["runs"] = [label for label, _ in evals]
-        table += "\n\n" + credit_md
-    mismatch, unknown = version_mismatch(labelled)
-    warnings = [_mismatch_line(m) for m in mismatch]
-    if unknown:
-        warnings.append("note: no version tags on " + ", ".join(unknown) + " (runs made before gearlab recorded "
-                        "them): their versions are unknown")
-    if warnings:  # the table's footer: printed with it and in report.md
-        table += "\n\n" + "\n".join(warnings)
+    table, credit, mismatch, unknown, warnings = _tables(client, rows, data, labelled, metric, baseline, target, pct)
     table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct)])
     plot = out / "curves.png"
-    _plot(curves, final_points={a: final[a] for a in order}, path=plot, metric=metric, baseline=baseline)
-    extra_plots = []
-    notes = []
-    for name in more_curves:
-        series = {a: {s: [v for _, v, _ in _history(client, finished[(a, s)].info.run_id, sanitize_metric_key(name))]
-                      for s in sorted(s_ for a_, s_ in finished if a_ == a)} for a in order}
-        series = {a: {s: v for s, v in runs.items() if v} for a, runs in series.items()}
-        if not any(series.values()):
-            notes.append(f"note: no run logged {name!r}; no curve for it")
-            continue
-        extra_plots.append(out / f"curves_{sanitize_metric_key(name).replace('/', '_')}.png")
-        _plot(series, final_points={a: final[a] for a in order}, path=extra_plots[-1], metric=metric, baseline=baseline,
-              curve=name)
+    _plot(data.curves, final_points=data.final, path=plot, metric=metric, baseline=baseline)
+    extra_plots, notes = _more_curves(client, finished, order, data.final, more_curves, out, metric, baseline)
     if extra_plots or notes:
         table += "\n\n" + "\n".join(
             ([f"more curves: {', '.join(p.name for p in extra_plots)}"] if extra_plots else []) + notes
@@ -263,6 +141,75 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     return Report(table, md, plot, rows, missing, warnings, mismatch, credit)
 
 
+def _primary_metric(parent: Any, metric: str | None) -> tuple[str, str]:
+    """(the headline metric as MLflow stores it, where it came from): the argument, else the parent's
+    ``primary_metric`` tag, else the default. eval/avg@4 (typed, or an older parent's tag) is eval/avg_at_4."""
+    tag_metric = parent.data.tags.get("primary_metric") if parent is not None else None
+    if metric:
+        return sanitize_metric_key(metric), "argument"
+    if tag_metric:
+        return sanitize_metric_key(tag_metric), "parent tag primary_metric"
+    return sanitize_metric_key(DEFAULT_METRIC), "default"
+
+
+def _design(parent: Any, children: list[Any], baseline: str | None) -> tuple[str | None, list[str], list[int]]:
+    """(baseline, methods in the comparison's order, seeds) from the parent's tags, else from the children."""
+    if parent is None:
+        return baseline, sorted({r.data.tags["assigner"] for r in children}), []
+    baseline = parent.data.tags.get("baseline", baseline) if baseline is None else baseline
+    # methods_json: the methods in order (grid-point labels may contain commas); older parents: "assigners"
+    order = (json.loads(parent.data.tags["methods_json"]) if "methods_json" in parent.data.tags
+             else parent.data.tags.get("assigners", "").split(","))
+    seeds = [int(s) for s in parent.data.tags.get("seeds", "").split(",") if s]
+    return baseline, [a for a in order if a] or sorted({r.data.tags["assigner"] for r in children}), seeds
+
+
+def _tables(client: mlflow.MlflowClient, rows: list[dict[str, Any]], data: Collected, labelled: dict[str, Any],
+            metric: str, baseline: str, target: float | None, pct: bool
+            ) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]], list[str], list[str]]:
+    """The paired table, then (multi-turn) tool use, the credit-eval table and the version warnings — the order the
+    console shows at the end of a comparison. Returns (text, credit-eval summary, mismatches, runs without version
+    tags, warning lines)."""
+    table = _table(rows, metric, baseline, target, pct=pct)
+    if data.tool_final:
+        for row in rows:
+            tools = data.tool_final.get(row["assigner"], {})
+            row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tools.items()}
+        table += "\n\n" + _tool_table(rows)
+    evals = credit_evals(client, labelled)
+    credit = None
+    if evals:
+        credit_md, credit = credit_eval_table([d for _, d in evals])
+        credit["runs"] = [label for label, _ in evals]
+        table += "\n\n" + credit_md
+    mismatch, unknown = version_mismatch(labelled)
+    warnings = [_mismatch_line(m) for m in mismatch]
+    if unknown:
+        warnings.append("note: no version tags on " + ", ".join(unknown) + " (runs made before gearlab recorded "
+                        "them): their versions are unknown")
+    if warnings:  # the table's footer: printed with it and in report.md
+        table += "\n\n" + "\n".join(warnings)
+    return table, credit, mismatch, unknown, warnings
+
+
+def _more_curves(client: mlflow.MlflowClient, finished: dict[tuple[str, int], Any], order: list[str],
+                 final: dict[str, dict[int, float]], names: list[str] | tuple[str, ...], out: Path, metric: str,
+                 baseline: str) -> tuple[list[Path], list[str]]:
+    """One plot per extra per-iteration metric across methods; a note for each that no run logged."""
+    plots, notes = [], []
+    for name in names:
+        key = sanitize_metric_key(name)
+        series = {a: {s: [v for _, v, _ in _history(client, finished[(a, s)].info.run_id, key)]
+                      for s in sorted(s_ for a_, s_ in finished if a_ == a)} for a in order}
+        series = {a: {s: v for s, v in runs.items() if v} for a, runs in series.items()}
+        if not any(series.values()):
+            notes.append(f"note: no run logged {name!r}; no curve for it")
+            continue
+        plots.append(out / f"curves_{key.replace('/', '_')}.png")
+        _plot(series, final_points=final, path=plots[-1], metric=metric, baseline=baseline, curve=name)
+    return plots, notes
+
+
 def run_description(markdown: str, limit: int = MAX_TAG_VAL_LENGTH) -> str:
     """report.md as the parent run's description (the ``mlflow.note.content`` tag, which the MLflow UI shows as the
     run's markdown description): whole when it fits MLflow's tag limit, else cut at a line boundary with a note
@@ -272,11 +219,6 @@ def run_description(markdown: str, limit: int = MAX_TAG_VAL_LENGTH) -> str:
     tail = "\n\n… (cut to fit MLflow's description limit: the full report is the artifact report/report.md)\n"
     head = markdown[: limit - len(tail)]
     return head[: head.rfind("\n") + 1 or len(head)].rstrip("\n") + tail
-
-
-def _num(v: float | None) -> float | None:
-    """A number for report.json's nested records: NaN (not computable) becomes None (JSON null)."""
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
 
 def _pct(metric: str) -> bool:
