@@ -120,42 +120,70 @@ def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
 
 def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, Any] | None = None,
                    seeds: tuple[int, ...] = (0, 1, 2)) -> list[Check]:
-    """Run every contract check; ``make`` builds a fresh assigner (or give a registered name + options)."""
+    """Run every contract check; ``make`` builds a fresh assigner (or give a registered name + options). A check
+    that fails on one seed is reported once, with that seed; a crash inside a check is a failure with its message."""
     if isinstance(make, str):
         name, opts = make, dict(options or {})
         make = lambda: credit.build(name, opts)  # noqa: E731
-    checks: list[Check] = []
+    kit = _Kit(make)
     probe = make()
-    multi = bool(probe.requires_turns)
-    if multi:
+    if kit.multi:
         try:
             probe.setup(seed=0, total_steps=10, task=_SingleTurnTask())
-            checks.append(Check("refuses single-turn tasks", False, "setup() accepted a single-turn task"))
+            kit.checks.append(Check("refuses single-turn tasks", False, "setup() accepted a single-turn task"))
         except ValueError as e:
-            checks.append(Check("refuses single-turn tasks", True, str(e)[:80]))
-    task = _MultiTurnTask() if multi else _SingleTurnTask()
+            kit.checks.append(Check("refuses single-turn tasks", True, str(e)[:80]))
+    plan: list[tuple[str, Callable[[int], str | None], bool]] = [
+        ("output type, shape, dtype, device", kit.output_ok, True),
+        ("no credit on masked tokens", kit.masked_zero, True),
+        ("zero-advantage sequences stay zero", kit.zero_groups, probe.keeps_zero_groups),
+        ("deterministic", kit.deterministic, True),
+        ("no gradient through signals", kit.no_grad_leak, True),
+        ("declared signals are used", kit.signals_used, bool(probe.needs)),
+        ("sign preserved", kit.sign_kept, probe.preserves_sign),
+        ("mass preserved (Σ_t A_t = N·A)", kit.mass_kept, probe.preserves_mass),
+        ("segments stay within a turn and on generated tokens", kit.segments_in_turns, True),
+    ]
+    for name_, fn, applies in plan:
+        if applies:
+            kit.each(name_, fn, seeds)
+    return kit.checks
 
-    def run(seed: int, signals: dict | None = None) -> tuple[CreditAssigner, RolloutBatch, Tensor, CreditOutput]:
-        a = make()
-        a.setup(seed=seed, total_steps=10, task=task)
-        b = random_batch(seed, multi_turn=multi)
+
+class _Kit:
+    """The contract checks of one assigner; each takes a seed and returns None or what is wrong."""
+
+    def __init__(self, make: Callable[[], CreditAssigner]) -> None:
+        self.make = make
+        self.multi = bool(make().requires_turns)
+        self.task = _MultiTurnTask() if self.multi else _SingleTurnTask()
+        self.checks: list[Check] = []
+
+    def fresh(self, seed: int) -> CreditAssigner:
+        a = self.make()
+        a.setup(seed=seed, total_steps=10, task=self.task)
+        return a
+
+    def run(self, seed: int) -> tuple[CreditAssigner, RolloutBatch, Tensor, CreditOutput]:
+        """A fresh assigner on the seed's random batch and synthetic signals: (assigner, batch, A_seq, output)."""
+        a = self.fresh(seed)
+        b = random_batch(seed, multi_turn=self.multi)
         adv = _seq_adv(b)
-        sig = fake_signals(b, frozenset(a.needs), seed) if signals is None else signals
-        return a, b, adv, a.assign(b, adv, sig)
+        return a, b, adv, a.assign(b, adv, fake_signals(b, frozenset(a.needs), seed))
 
-    def each(name: str, fn: Callable[[int], str | None]) -> None:
+    def each(self, name: str, fn: Callable[[int], str | None], seeds: tuple[int, ...]) -> None:
         for seed in seeds:
             try:
                 problem = fn(seed)
             except Exception as e:  # a crash is a failed check, reported with its message
                 problem = f"{type(e).__name__}: {e}"
             if problem:
-                checks.append(Check(name, False, f"seed {seed}: {problem}"))
+                self.checks.append(Check(name, False, f"seed {seed}: {problem}"))
                 return
-        checks.append(Check(name, True))
+        self.checks.append(Check(name, True))
 
-    def output_ok(seed: int) -> str | None:
-        _, b, _, out = run(seed)
+    def output_ok(self, seed: int) -> str | None:
+        _, b, _, out = self.run(seed)
         if not isinstance(out, CreditOutput):
             return f"assign returned {type(out).__name__}, not CreditOutput"
         A = out.token_advantages
@@ -174,34 +202,34 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
         )]
         return f"metrics not scalar: {bad}" if bad else None
 
-    def masked_zero(seed: int) -> str | None:
-        _, b, _, out = run(seed)
+    def masked_zero(self, seed: int) -> str | None:
+        _, b, _, out = self.run(seed)
         leak = out.token_advantages[~b.response_mask].abs().max().item() if (~b.response_mask).any() else 0.0
         return f"|A| up to {leak:.3g} on masked (pad / env) tokens" if leak > 0 else None
 
-    def zero_groups(seed: int) -> str | None:
-        _, b, adv, out = run(seed)
+    def zero_groups(self, seed: int) -> str | None:
+        _, b, adv, out = self.run(seed)
         rows = adv == 0
         leak = out.token_advantages[rows].abs().max().item() if rows.any() else 0.0
         return f"|A| up to {leak:.3g} on sequences with zero advantage" if leak > 0 else None
 
-    def deterministic(seed: int) -> str | None:
-        o1, o2 = run(seed)[3], run(seed)[3]
+    def deterministic(self, seed: int) -> str | None:
+        o1, o2 = self.run(seed)[3], self.run(seed)[3]
         same = torch.equal(o1.token_advantages, o2.token_advantages) and _same_mask(o1.loss_mask, o2.loss_mask)
         return None if same else "two runs on the same input differ"
 
-    def no_grad_leak(seed: int) -> str | None:
-        a = make()
-        a.setup(seed=seed, total_steps=10, task=task)
-        b = random_batch(seed, multi_turn=multi)
+    def no_grad_leak(self, seed: int) -> str | None:
+        a = self.fresh(seed)
+        b = random_batch(seed, multi_turn=self.multi)
         sig = {k: v.clone().requires_grad_(True) for k, v in fake_signals(b, frozenset(a.needs), seed).items()}
         out = a.assign(b, _seq_adv(b), sig)
         return (
             "token_advantages carry a gradient path to the signals (detach them)"
         ) if out.token_advantages.requires_grad else None
 
-    def signals_used(seed: int) -> str | None:
-        a, b, adv, out = run(seed)
+    def signals_used(self, seed: int) -> str | None:
+        """Each declared signal, replaced by other random values (three tries), must change the output."""
+        a, b, adv, out = self.run(seed)
         unused = []
         for s in sorted(a.needs, key=signal_name):
             base = fake_signals(b, frozenset(a.needs), seed)
@@ -209,9 +237,7 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
             for k in range(3):
                 alt = dict(base)
                 alt[s] = fake_signals(b, frozenset(a.needs), seed + 100 + k)[s]
-                a2 = make()
-                a2.setup(seed=seed, total_steps=10, task=task)
-                out2 = a2.assign(b, adv, alt)
+                out2 = self.fresh(seed).assign(b, adv, alt)
                 if not torch.equal(
                     out2.token_advantages, out.token_advantages
                 ) or not _same_mask(out2.loss_mask, out.loss_mask):
@@ -221,22 +247,22 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
                 unused.append(signal_name(s))
         return f"declared but never changes the output: {unused}" if unused else None
 
-    def sign_kept(seed: int) -> str | None:
-        _, b, adv, out = run(seed)
+    def sign_kept(self, seed: int) -> str | None:
+        _, b, adv, out = self.run(seed)
         A = out.token_advantages
         nz = (A != 0) & b.response_mask
         flips = (torch.sign(A) != torch.sign(adv)[:, None]) & nz
         return f"{int(flips.sum())} tokens flip sign" if flips.any() else None
 
-    def mass_kept(seed: int) -> str | None:
-        _, b, adv, out = run(seed)
+    def mass_kept(self, seed: int) -> str | None:
+        _, b, adv, out = self.run(seed)
         got = out.token_advantages.double().sum(-1)
         want = adv.double() * b.response_mask.sum(-1)
         err = (got - want).abs().max().item()
         return f"Σ_t A_t differs from N·A by {err:.3g}" if err > 1e-5 * max(1.0, want.abs().max().item()) else None
 
-    def segments_in_turns(seed: int) -> str | None:
-        a, b, _, _ = run(seed)
+    def segments_in_turns(self, seed: int) -> str | None:
+        a, b, _, _ = self.run(seed)
         seg = getattr(a, "last_segments", None)
         if seg is None:
             return None
@@ -253,21 +279,6 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
                 if (idx[1:] - idx[:-1] != 1).any():
                     return f"segment {sid} of row {i} is not contiguous"
         return None
-
-    each("output type, shape, dtype, device", output_ok)
-    each("no credit on masked tokens", masked_zero)
-    if probe.keeps_zero_groups:
-        each("zero-advantage sequences stay zero", zero_groups)
-    each("deterministic", deterministic)
-    each("no gradient through signals", no_grad_leak)
-    if probe.needs:
-        each("declared signals are used", signals_used)
-    if probe.preserves_sign:
-        each("sign preserved", sign_kept)
-    if probe.preserves_mass:
-        each("mass preserved (Σ_t A_t = N·A)", mass_kept)
-    each("segments stay within a turn and on generated tokens", segments_in_turns)
-    return checks
 
 
 def assert_contract(name: str, options: dict[str, Any] | None = None) -> None:
