@@ -17,11 +17,7 @@ import contextlib
 import json
 import multiprocessing
 import os
-import signal
-import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,19 +28,9 @@ from omegaconf import OmegaConf
 from gearlab import credit
 from gearlab.config import Config, ConfigError, flatten, load_config
 from gearlab.core.metrics import sanitize_metric_key
-from gearlab.stopping import STOP_SIGNALS, StopSignals
+from gearlab.commands.compare_pool import Child, _Relay, _run_pool, run_child
+from gearlab.stopping import StopSignals
 from gearlab.trainer.tracking import ensure_experiment, git_sha, record_versions, tracking_uri, version_tags
-
-
-@dataclass
-class Child:
-    assigner: str
-    seed: int
-    overrides: list[str]
-
-    @property
-    def label(self) -> str:
-        return f"{self.assigner}-s{self.seed}"
 
 
 def experiment_name(cfg: Config) -> str:
@@ -68,7 +54,8 @@ def plan(cfg: Config, base_overrides: list[str], model_path: str, parent_id: str
     return out
 
 
-def find_runs(client: mlflow.MlflowClient, exp_id: str, comparison: str) -> tuple[object | None, dict[tuple[str, int], object]]:
+def find_runs(client: mlflow.MlflowClient, exp_id: str, comparison: str
+              ) -> tuple[object | None, dict[tuple[str, int], object]]:
     """(parent run, {(assigner, seed): child run}) of a comparison."""
     runs = client.search_runs([exp_id], f"tags.comparison_id = '{comparison}'", max_results=5000)
     parent, children = None, {}
@@ -132,27 +119,8 @@ def comparison_lock(cfg: Config) -> contextlib.AbstractContextManager[None]:
 
     folder = Path(cfg.trainer.output_dir) / cfg.compare.name
     return exclusive_lock(folder / ".lock", f"gearlab compare pid {os.getpid()}",
-                          lambda holder: f"comparison {cfg.compare.name!r} ({folder}) is in use by {holder}: wait for it "
-                                         f"to finish, or give this comparison another compare.name")
-
-
-class _Relay:
-    """What the comparison does on each stop request it catches: say so once, and pass the signal on to its worker
-    processes (they are in process groups of their own, so a terminal's Ctrl-C reaches them only this way) and set
-    the pool's stop flag, which a worker reads before it starts a queued child."""
-
-    def __init__(self) -> None:
-        self.event: Any = None  # the running pool's multiprocessing Event, else None
-
-    def __call__(self, signum: int, first: bool) -> None:
-        if self.event is not None:
-            self.event.set()
-        for p in multiprocessing.active_children():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signum)
-        if first:  # os.write: a print from a signal handler can collide with one the main thread is in
-            os.write(1, f"[compare] stop requested ({signal.Signals(signum).name}): running children stop at their next "
-                        f"iteration boundary and none starts after them; Ctrl-C again aborts them now\n".encode())
+                          lambda holder: f"comparison {cfg.compare.name!r} ({folder}) is in use by {holder}: wait "
+                                         f"for it to finish, or give this comparison another compare.name")
 
 
 def _start_model(cfg: Config) -> str:
@@ -184,46 +152,18 @@ def _start_model(cfg: Config) -> str:
 
 
 def _compare_locked(cfg: Config, base_overrides: list[str], names: list[str], stop: StopSignals, relay: _Relay) -> dict:
-    from gearlab.trainer.resume import check_resume
-    from gearlab.trainer.train import run_dir
-
     model_path = _start_model(cfg)
-    from gearlab.models.checkpoints import weights_digest
-
-    start_digest = weights_digest(model_path)
     client = mlflow.MlflowClient(tracking_uri(cfg))
     exp_id = ensure_experiment(tracking_uri(cfg), experiment_name(cfg), client)
     parent, done = find_runs(client, exp_id, cfg.compare.name)
     resumed = parent is not None
-    if parent is None:
-        parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
-            "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
-            "assigners": ",".join(names), "methods_json": json.dumps(names), "seeds": ",".join(map(str, cfg.compare.seeds)),
-            "baseline": cfg.compare.baseline, "primary_metric": primary_metric(cfg), "effect": str(cfg.compare.effect),
-            **({"start_sha256": start_digest} if start_digest else {}), **version_tags()})
-        params = {k: str(v)[:6000] for k, v in flatten(cfg).items() if not k.startswith("assigner.")}
-        for k, v in params.items():
-            client.log_param(parent.info.run_id, k, v)
-        client.log_text(parent.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
-    else:
-        before = parent.data.tags.get("start_sha256")
-        if before and start_digest and before != start_digest:  # e.g. a warm start redone on another machine
-            raise ConfigError(f"key 'model.name_or_path': the starting weights {model_path} (sha256 {start_digest[:12]}) "
-                              f"are not those comparison {cfg.compare.name!r} started from (sha256 {before[:12]}); "
-                              f"restore that model or give a new compare.name")
+    parent = _parent_run(cfg, client, exp_id, parent, names, model_path)
     pid = parent.info.run_id
     if cfg.compare.max_minutes > 0:  # every child stops at an iteration boundary after this time, resumable
         cfg.trainer.deadline = time.time() + 60 * cfg.compare.max_minutes
         base_overrides = [*base_overrides, f"trainer.deadline={cfg.trainer.deadline:.3f}"]
     children = plan(cfg, base_overrides, model_path, pid, names)
-    extended = set()  # finished children whose trainer.max_steps this command raises: they train on
-    for c in children:  # every child's run folder against its configuration, before any child runs
-        child_cfg = load_config(c.overrides)
-        try:
-            if check_resume(child_cfg, run_dir(child_cfg)).extends(child_cfg):
-                extended.add(c.label)
-        except ConfigError as e:
-            raise ConfigError(f"comparison {cfg.compare.name!r}, child {c.label}: {e}") from None
+    todo = _todo(cfg, client, children, done)
     if resumed:
         client.update_run(pid, status="RUNNING")
         record_versions(client, pid)  # a changed version is kept as "old -> new"
@@ -231,6 +171,79 @@ def _compare_locked(cfg: Config, base_overrides: list[str], names: list[str], st
     if sanitize_metric_key(primary) != sanitize_metric_key(primary_metric(cfg)):  # eval/avg@4 names eval/avg_at_4
         print(f"[compare] WARNING: this comparison named {primary!r} as its primary metric before it ran; the report "
               f"stays on it (gearlab report {cfg.compare.name} compare.metric=... shows another)", flush=True)
+    print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} "
+          "seeds), "
+          f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}; "
+          f"primary metric: {primary} (final value, paired by seed against {cfg.compare.baseline})", flush=True)
+    t_start = time.time()
+    prog = _Progress(len(todo), cfg.compare.workers,
+                     lambda c, err: _mark_failed(client, exp_id, cfg.compare.name, c, err))
+    aborted = _run_children(cfg, todo, prog, stop, relay)
+    if stop.requested or prog.stopped or aborted:
+        ran = set(prog.finished) | set(prog.stopped) | set(prog.failed)
+        not_started = [c.label for c in todo if c.label not in ran]
+        why = (f"stop requested by {stop.signal_name}" if stop.requested
+               else "a child stopped early: compare.max_minutes / trainer.stop_after")
+        print(f"[compare] interrupted ({why}): {len(prog.finished)} finished, {len(prog.stopped)} stopped at an "
+              f"iteration boundary, {len(not_started)} not started, {len(prog.failed)} failed (of {len(todo)} to run); "
+              f"run the same command to resume (finished runs are kept, stopped ones resume)", flush=True)
+        client.set_terminated(pid, "KILLED")
+        return {"failed": prog.failed, "stopped": prog.stopped, "finished": prog.finished,
+                "not_started": not_started, "interrupted": True, "signal": stop.signum, "report": None, "plot": None}
+    from gearlab.commands.report import build_report
+
+    rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=primary, baseline=cfg.compare.baseline,
+                       target=cfg.compare.target, effect=cfg.compare.effect, more_curves=list(cfg.compare.curves),
+                       out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
+    client.set_terminated(pid, "FINISHED" if not prog.failed else "FAILED")
+    print(f"[compare] {len(children) - len(prog.failed)}/{len(children)} runs finished in "
+          f"{(time.time() - t_start) / 60:.1f} min")
+    print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")
+    return {"failed": prog.failed, "report": str(rep.markdown_path), "plot": str(rep.plot_path), "table": rep.table}
+
+
+def _parent_run(cfg: Config, client: mlflow.MlflowClient, exp_id: str, parent: Any, names: list[str],
+                model_path: str) -> Any:
+    """The comparison's parent MLflow run: made with its tags, params and config when new; when resumed, checked to
+    start from the same weights (sha256 of ``model_path``) — one line and exit 2 if not."""
+    from gearlab.models.checkpoints import weights_digest
+
+    digest = weights_digest(model_path)
+    if parent is not None:
+        before = parent.data.tags.get("start_sha256")
+        if before and digest and before != digest:  # e.g. a warm start redone on another machine
+            raise ConfigError(f"key 'model.name_or_path': the starting weights {model_path} (sha256 {digest[:12]}) "
+                              f"are not those comparison {cfg.compare.name!r} started from (sha256 {before[:12]}); "
+                              f"restore that model or give a new compare.name")
+        return parent
+    parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
+        "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
+        "assigners": ",".join(names), "methods_json": json.dumps(names), "seeds": ",".join(map(str, cfg.compare.seeds)),
+        "baseline": cfg.compare.baseline, "primary_metric": primary_metric(cfg), "effect": str(cfg.compare.effect),
+        **({"start_sha256": digest} if digest else {}), **version_tags()})
+    params = {k: str(v)[:6000] for k, v in flatten(cfg).items() if not k.startswith("assigner.")}
+    for k, v in params.items():
+        client.log_param(parent.info.run_id, k, v)
+    client.log_text(parent.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+    return parent
+
+
+def _todo(cfg: Config, client: mlflow.MlflowClient, children: list[Child], done: dict[tuple[str, int], Any]
+          ) -> list[Child]:
+    """The children still to run: not finished, or finished with a ``trainer.max_steps`` this command raises. Every
+    child's run folder is checked against its configuration first (one line and exit 2 on a conflict, before any
+    child runs); an unfinished MLflow run whose folder is gone is deleted (the child starts again from 0)."""
+    from gearlab.trainer.resume import check_resume
+    from gearlab.trainer.train import run_dir
+
+    extended = set()
+    for c in children:
+        child_cfg = load_config(c.overrides)
+        try:
+            if check_resume(child_cfg, run_dir(child_cfg)).extends(child_cfg):
+                extended.add(c.label)
+        except ConfigError as e:
+            raise ConfigError(f"comparison {cfg.compare.name!r}, child {c.label}: {e}") from None
     todo = [c for c in children if (c.assigner, c.seed) not in done or c.label in extended
             or done[(c.assigner, c.seed)].info.status != RunStatus.to_string(RunStatus.FINISHED)]
     logs = Path(cfg.trainer.output_dir) / cfg.compare.name
@@ -240,205 +253,58 @@ def _compare_locked(cfg: Config, base_overrides: list[str], names: list[str], st
             client.delete_run(old.info.run_id)
             print(f"[compare] {c.label}: no local checkpoint for its unfinished MLflow run {old.info.run_id}; "
                   f"that run is deleted and the child starts again", flush=True)
-    print(f"[compare] {cfg.compare.name}: {len(children)} runs ({len(names)} methods × {len(cfg.compare.seeds)} seeds), "
-          f"{len(children) - len(todo)} already finished, {len(todo)} to run, workers={cfg.compare.workers}; "
-          f"primary metric: {primary} (final value, paired by seed against {cfg.compare.baseline})", flush=True)
-    t_start, durations, failed, stopped, finished = time.time(), [], [], [], []
+    return todo
 
-    def finish(c: Child, outcome: str, secs: float, err: str = "") -> None:
+
+class _Progress:
+    """What became of each child that ran (finished / stopped / failed), printed as it ends with an ETA."""
+
+    def __init__(self, total: int, workers: int, on_failure: Callable[[Child, str], None]) -> None:
+        self.total, self.workers, self.on_failure = total, workers, on_failure
+        self.durations: list[float] = []
+        self.finished: list[str] = []
+        self.stopped: list[str] = []
+        self.failed: list[str] = []
+
+    def __call__(self, c: Child, outcome: str, secs: float, err: str = "") -> None:
         if outcome == "not_started":  # queued when a stop came: counted at the end
             return
-        durations.append(secs)
-        left = len(todo) - len(durations)
-        eta = sum(durations) / len(durations) * left / max(1, cfg.compare.workers)
+        self.durations.append(secs)
+        left = self.total - len(self.durations)
+        eta = sum(self.durations) / len(self.durations) * left / max(1, self.workers)
         status = {"ok": "finished", "stopped": "stopped (resumes on re-run)"}.get(
             outcome, f"FAILED ({err.strip().splitlines()[-1][:120] if err.strip() else 'error'})")
-        print(f"[compare] [{len(durations)}/{len(todo)}] {c.label:20s} {status} in {secs:.0f}s — ETA {eta / 60:.1f} min", flush=True)
+        print(f"[compare] [{len(self.durations)}/{self.total}] {c.label:20s} {status} in {secs:.0f}s — "
+              f"ETA {eta / 60:.1f} min", flush=True)
         if outcome == "stopped":
-            stopped.append(c.label)
+            self.stopped.append(c.label)
         elif outcome == "ok":
-            finished.append(c.label)
+            self.finished.append(c.label)
         else:
-            failed.append(c.label)
-            _mark_failed(client, exp_id, cfg.compare.name, c, err)
+            self.failed.append(c.label)
+            self.on_failure(c, err)
 
+
+def _run_children(cfg: Config, todo: list[Child], prog: _Progress, stop: StopSignals, relay: _Relay) -> bool:
+    """Run ``todo`` one by one or ``compare.workers`` at a time, reporting each to ``prog``; True if aborted (Ctrl-C
+    twice: the running children were killed, their last checkpoints stay)."""
     # fixed by the config when given (results then do not depend on the machine's core count)
     threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // max(1, cfg.compare.workers))
-    aborted = False
     try:
         if cfg.compare.workers <= 1:
             for c in todo:
                 if stop.requested:  # Ctrl-C / SIGTERM: no child starts after it
                     break
                 outcome, err, secs = run_child(c.overrides)
-                finish(c, outcome, secs, err)
+                prog(c, outcome, secs, err)
                 if outcome == "stopped":  # a signal, or trainer.deadline (compare.max_minutes): the rest waits
                     break
         else:
-            _run_pool(todo, cfg.compare.workers, threads, logs, finish, stop, relay)
-    except KeyboardInterrupt:  # Ctrl-C twice: the running children were aborted (their last checkpoints stay)
-        aborted = True
-    if stop.requested or stopped or aborted:
-        ran = set(finished) | set(stopped) | set(failed)
-        not_started = [c.label for c in todo if c.label not in ran]
-        why = (f"stop requested by {stop.signal_name}" if stop.requested
-               else "a child stopped early: compare.max_minutes / trainer.stop_after")
-        print(f"[compare] interrupted ({why}): {len(finished)} finished, {len(stopped)} stopped at an iteration boundary, "
-              f"{len(not_started)} not started, {len(failed)} failed (of {len(todo)} to run); run the same command to "
-              f"resume (finished runs are kept, stopped ones resume)", flush=True)
-        client.set_terminated(pid, "KILLED")
-        return {"failed": failed, "stopped": stopped, "finished": finished, "not_started": not_started,
-                "interrupted": True, "signal": stop.signum, "report": None, "plot": None}
-    from gearlab.commands.report import build_report
-
-    rep = build_report(tracking_uri(cfg), cfg.compare.name, metric=primary, baseline=cfg.compare.baseline,
-                       target=cfg.compare.target, effect=cfg.compare.effect, more_curves=list(cfg.compare.curves),
-                       out_dir=Path(cfg.trainer.output_dir) / cfg.compare.name / "report")
-    client.set_terminated(pid, "FINISHED" if not failed else "FAILED")
-    print(f"[compare] {len(children) - len(failed)}/{len(children)} runs finished in {(time.time() - t_start) / 60:.1f} min")
-    print(f"report: {rep.markdown_path}\nplot: {rep.plot_path}")
-    return {"failed": failed, "report": str(rep.markdown_path), "plot": str(rep.plot_path), "table": rep.table}
-
-
-def run_child(overrides: list[str], log: str | None = None) -> tuple[str, str, float]:
-    """Train one child in this process: ("ok" | "stopped" | "failed" | "not_started", error text, seconds). "stopped":
-    at an iteration boundary (a signal, trainer.deadline) or aborted by a second Ctrl-C, resumable either way;
-    "not_started": a worker process (_run_pool) was asked to stop before this child began. With ``log``, the
-    child's console output (both file descriptors, so also library output) goes to that file instead."""
-    import traceback
-
-    from gearlab.trainer.train import train
-
-    if _WORKER_STOP is not None and (_WORKER_STOP.requested or (_WORKER_EVENT is not None and _WORKER_EVENT.is_set())):
-        return "not_started", "", 0.0
-    t0 = time.time()
-    saved: tuple[int, int] | None = None
-    if log is not None:
-        Path(log).parent.mkdir(parents=True, exist_ok=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        saved = os.dup(1), os.dup(2)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    try:
-        cfg = load_config(overrides)
-        if 0 < cfg.trainer.deadline <= time.time():  # queued past compare.max_minutes: left for the next call
-            return "stopped", "", 0.0
-        res = train(cfg)
-        outcome, err = ("stopped" if res.stopped_early else "ok"), ""
-        if outcome == "ok" and cfg.credit_eval.after_training and not res.already_finished:
-            from gearlab.commands.credit_eval import after_training
-
-            try:  # the run itself finished: a failed scoring is reported, not a failed child
-                after_training(cfg, res)
-            except Exception as e:
-                print(f"[credit-eval] {cfg.assigner.name}-s{cfg.trainer.seed}: failed: {type(e).__name__}: {e}", flush=True)
-    except KeyboardInterrupt:  # Ctrl-C twice: aborted mid-iteration; its last checkpoint resumes it
-        outcome, err = "stopped", ""
-    except (Exception, SystemExit) as e:  # a crashed child is recorded and the comparison goes on
-        outcome, err = "failed", "".join(traceback.format_exception(e))[-4000:]
-    finally:
-        if saved is not None:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-    return outcome, err, time.time() - t0
-
-
-# a worker process's own stop scope and the pool's stop flag (set in each worker by _worker_init; None elsewhere)
-_WORKER_STOP: StopSignals | None = None
-_WORKER_EVENT: Any = None
-
-
-def _worker_init(threads: int, stop_event: Any) -> None:
-    """A pool worker's set-up. It starts with SIGINT and SIGTERM ignored (_run_pool), so no signal can kill it during
-    its seconds of imports and break the pool; it then leaves the terminal's process group (a Ctrl-C there reaches the
-    comparison only, which relays every request once: a second copy would read as "Ctrl-C again") and catches both."""
-    global _WORKER_STOP, _WORKER_EVENT
-    import torch
-
-    torch.set_num_threads(threads)
-    os.setpgrp()
-    for s in STOP_SIGNALS:
-        signal.signal(s, signal.SIG_DFL)
-    # an idle worker only notes a request (a child it then picks up does not start); a running child's own scope
-    # (gearlab.trainer.train) stops it at the boundary, or aborts it on the second Ctrl-C
-    _WORKER_STOP = StopSignals(abort_on_repeat=False).__enter__()
-    _WORKER_EVENT = stop_event
-
-
-def _settle(f: Any, c: Child, finish: Callable[..., None]) -> str:
-    """Report one finished (or cancelled) future of the pool to ``finish``; returns its outcome."""
-    if f.cancelled():  # queued when the comparison stopped: not run, so neither finished nor failed
-        outcome, err, secs = "not_started", "", 0.0
-    else:
-        try:
-            outcome, err, secs = f.result()
-        except Exception as e:  # the worker process itself died (e.g. killed): the pool is broken
-            outcome, err, secs = "failed", f"{type(e).__name__}: {e}", 0.0
-    finish(c, outcome, secs, err)
-    return outcome
-
-
-def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish: Callable[..., None],
-              stop: StopSignals | None = None, relay: _Relay | None = None) -> None:
-    """Run the children on ``workers`` long-lived processes (started once, so the ~10 s of imports are paid once
-    per worker, not once per child); each child's output goes to ``<output_dir>/<comparison>/<label>/train.log``.
-    On a stop request (Ctrl-C, SIGTERM: ``stop``, relayed to the workers by ``relay``) the running children stop at
-    an iteration boundary and no queued one starts (reported "not_started"); a second Ctrl-C aborts the running ones
-    and raises KeyboardInterrupt here once every outcome is reported. A child stopped by its trainer.deadline
-    cancels the queued ones too."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    stop, relay = stop or StopSignals(), relay or _Relay()
-    if stop.requested:
-        return
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # read at import by the workers
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    ctx = multiprocessing.get_context("spawn")
-    relay.event = ctx.Event()
-    pool = None
-    try:
-        # the workers are spawned by the submits: they inherit SIGINT and SIGTERM ignored (see _worker_init). A
-        # request in these few milliseconds is lost here too; that is the price of workers a signal cannot break.
-        main = threading.current_thread() is threading.main_thread()  # (only there may handlers be set)
-        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} if main else {}
-        try:
-            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads, relay.event))
-            futures = {pool.submit(run_child, [*c.overrides, "trainer.progress_bar=false", f"trainer.threads={threads}"],
-                                   str(logs / c.label / "train.log")): c for c in todo}
-        finally:
-            for s, h in ignored.items():
-                signal.signal(s, h if h is not None else signal.SIG_DFL)
-        if stop.requested:  # came before the workers existed: relay it now (the flag reaches those still starting)
-            relay(stop.signum, False)
-        pending = dict(futures)
-        try:
-            for f in as_completed(futures):
-                outcome = _settle(f, pending.pop(f), finish)
-                if stop.requested or outcome == "stopped":
-                    for g in pending:
-                        g.cancel()
-        except KeyboardInterrupt:  # a second Ctrl-C, relayed to the workers: their children abort now
-            pool.shutdown(wait=True, cancel_futures=True)
-            for f, c in pending.items():
-                _settle(f, c, finish)
-            raise
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        relay.event = None
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            _run_pool(todo, cfg.compare.workers, threads, Path(cfg.trainer.output_dir) / cfg.compare.name, prog,
+                      stop, relay)
+    except KeyboardInterrupt:
+        return True
+    return False
 
 
 def _mark_failed(client: mlflow.MlflowClient, exp_id: str, comparison: str, c: Child, err: str) -> None:
