@@ -304,23 +304,11 @@ def warmstart(
 
     Returns the dict written to warmstart.json (accuracies, losses, steps done, timings).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gearlab.models.tiny import build_tiny_model, build_tokenizer
-
     t_start = time.perf_counter()
     task = get_task(task) if isinstance(task, str) else task
     out = Path(out_dir)
 
-    torch.manual_seed(seed)
-    if model_dir is None:
-        tokenizer = build_tokenizer()
-        model = build_tiny_model(tokenizer, seed=seed, **(model_kwargs or {}))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if tokenizer.pad_token_id is None:  # as load_policy does: padding (SFT batches, evaluation) needs one
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model, tokenizer = _start(model_dir, seed, model_kwargs)
     n_params = sum(p.numel() for p in model.parameters())
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
@@ -357,37 +345,67 @@ def warmstart(
 
     if n_eval > 0:
         t_eval = time.perf_counter()
-        test = task.problems("test", n_eval, seed=seed)
-        kw = dict(max_new_tokens=eval_max_new_tokens)
-        if getattr(task, "multi_turn", False):  # accuracy plus how the greedy episodes used the tools
-            ep = _evaluate_episodes(model, tokenizer, task, test, **kw)
-            result["acc_plain_greedy"] = ep["accuracy"]
-            result.update({f"greedy_{k}": round(v, 4) for k, v in ep.items()
-                           if k in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac",
-                           "turns_mean")})
-        else:
-            result["acc_plain_greedy"] = evaluate_accuracy(model, tokenizer, task, test, **kw)
-        result["acc_plain_sampled"] = evaluate_accuracy(model, tokenizer, task, test, greedy=False, seed=seed, **kw)
-        result["acc_privileged_greedy"] = evaluate_accuracy(model, tokenizer, task, test, privileged=True, **kw)
+        result.update(_held_out_accuracy(model, tokenizer, task, n_eval, seed, eval_max_new_tokens))
         result["n_eval"] = n_eval
         result["eval_seconds"] = round(time.perf_counter() - t_eval, 2)
     result["wall_seconds"] = round(time.perf_counter() - t_start, 2)
 
-    if save:  # into a temporary folder swapped in whole: a killed save never leaves a config.json without weights
-        from gearlab.models.checkpoints import weights_digest
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        result["weights_sha256"] = weights_digest(tmp)
-        (tmp / "warmstart.json").write_text(json.dumps(result, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+    if save:
+        result["weights_sha256"] = _save(out, model, tokenizer, result)
     if verbose:
         print("[warmstart] " + json.dumps({k: v for k, v in result.items() if k != "task_repr"}), flush=True)
     return result
+
+
+def _start(model_dir: str | Path | None, seed: int, model_kwargs: dict[str, Any] | None) -> tuple[Any, Any]:
+    """(model in fp32, tokenizer): a fresh tiny model (seeded) with the default tokenizer, or a local folder's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gearlab.models.tiny import build_tiny_model, build_tokenizer
+
+    torch.manual_seed(seed)
+    if model_dir is None:
+        tokenizer = build_tokenizer()
+        return build_tiny_model(tokenizer, seed=seed, **(model_kwargs or {})), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:  # as load_policy does: padding (SFT batches, evaluation) needs one
+        tokenizer.pad_token = tokenizer.eos_token
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tokenizer
+
+
+def _held_out_accuracy(model, tokenizer, task: Task, n_eval: int, seed: int, max_new_tokens: int) -> dict[str, Any]:
+    """Greedy and sampled (T = 1) accuracy on plain prompts and greedy accuracy on privileged prompts, over
+    ``n_eval`` test problems; multi-turn tasks add how the greedy episodes used their tools."""
+    test = task.problems("test", n_eval, seed=seed)
+    kw = dict(max_new_tokens=max_new_tokens)
+    res: dict[str, Any] = {}
+    if getattr(task, "multi_turn", False):
+        ep = _evaluate_episodes(model, tokenizer, task, test, **kw)
+        res["acc_plain_greedy"] = ep["accuracy"]
+        res.update({f"greedy_{k}": round(v, 4) for k, v in ep.items()
+                    if k in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean")})
+    else:
+        res["acc_plain_greedy"] = evaluate_accuracy(model, tokenizer, task, test, **kw)
+    res["acc_plain_sampled"] = evaluate_accuracy(model, tokenizer, task, test, greedy=False, seed=seed, **kw)
+    res["acc_privileged_greedy"] = evaluate_accuracy(model, tokenizer, task, test, privileged=True, **kw)
+    return res
+
+
+def _save(out: Path, model, tokenizer, result: dict[str, Any]) -> str:
+    """Model, tokenizer and warmstart.json (with the weights' sha256) into ``out``, through a temporary folder swapped
+    in whole: a killed save never leaves a config.json without weights. Returns the weights' sha256."""
+    from gearlab.models.checkpoints import weights_digest
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    digest = weights_digest(tmp)
+    (tmp / "warmstart.json").write_text(json.dumps({**result, "weights_sha256": digest}, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return digest
 
 
 def main(argv: Sequence[str] | None = None) -> None:
