@@ -88,6 +88,9 @@ Where the machine gives no root (an unprivileged user; also root where namespace
 Not enforced anywhere: CPU time is limited per process, not per tree, and there is no CPU share (up to 32
 busy processes for the whole timeout); side channels (timing, ``/proc/meminfo``, ``/proc/cpuinfo``) are out of
 scope. See docs/sandbox.md.
+
+This file imports nothing but the standard library and is one file on purpose (with ``_sandbox_reaper.py``): it can
+be copied and run by another interpreter under another uid (tests/envs/test_sandbox.py runs it as ``nobody``).
 """
 from __future__ import annotations
 
