@@ -116,43 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     from gearlab.config import ConfigError, load_config
     from gearlab.stopping import Stopped
 
-    if cmd == "new-assigner":
-        if print_config:
-            print("gearlab: error: new-assigner reads no config (usage: gearlab new-assigner NAME)", file=sys.stderr)
-            return 2
-        return _new_assigner(overrides)
-    if cmd == "report":
-        if not overrides or "=" in overrides[0]:
-            print(
-                "gearlab: error: usage: gearlab report COMPARISON [compare.metric=...] [compare.target=0.5]",
-                file=sys.stderr
-            )
-            return 2
-        overrides = [f"compare.name={overrides[0]}", *overrides[1:]]
-    if cmd == "assigners" and overrides and "=" not in overrides[0]:
-        if not print_config:
-            return _describe_assigner(overrides[0], overrides[1:])
-        overrides = overrides[1:]  # NAME only picks what to describe; the config is the rest
-    if cmd == "compare":  # short forms: assigners=[...] seeds=[...] workers=N
-        short = {
-            "assigners": "compare.assigners",
-            "seeds": "compare.seeds",
-            "workers": "compare.workers",
-            "name": "compare.name"
-        }
-        overrides = [
-            f"{short[o.split('=', 1)[0]]}={o.split('=', 1)[1]}" if o.split("=", 1)[0] in short else o for o in overrides
-        ]
-    if cmd == "check-assigner":
-        if not overrides or "=" in overrides[0]:
-            print("gearlab: error: usage: gearlab check-assigner NAME [overrides]", file=sys.stderr)
-            return 2
-        overrides = [f"assigner={overrides[0]}", *overrides[1:]]
+    early, overrides = _positional(cmd, overrides, print_config)
+    if early is not None:
+        return early
     commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners,
                 "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report,
-                "replay": _replay,
-                "credit-eval": _credit_eval,
-                "export": _export}
+                "replay": _replay, "credit-eval": _credit_eval, "export": _export}
     if cmd not in commands:
         print(f"gearlab: error: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
         return 2
@@ -164,17 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg), end="")
             return 0
         if cmd == "compare":
-            from gearlab.commands.compare import compare
-
-            base = [
-                o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name=", "assigner.base="))
-            ]
-            res = compare(cfg, base)
-            if res.get("interrupted"):  # 128 + the signal (130 Ctrl-C, 143 SIGTERM); a compare.max_minutes stop: 130
-                return 128 + res["signal"] if res.get("signal") else 130
-            print(compare_summary(cfg))
-            print("\n" + res["table"])  # last: the paired table, the credit-eval table, the learning and power lines
-            return 1 if res["failed"] else 0
+            return _compare(cfg, overrides)
         if cmd == "report":  # the metric the comparison named before it ran, unless one is asked for here
             return _report(cfg, explicit_metric=any(o.startswith("compare.metric=") for o in overrides))
         return commands[cmd](cfg)
@@ -188,6 +147,52 @@ def main(argv: list[str] | None = None) -> int:
         print("gearlab: aborted (Ctrl-C); a training run keeps its last checkpoint: the same command resumes it",
               file=sys.stderr)
         return 130
+
+
+def _positional(cmd: str, overrides: list[str], print_config: bool) -> tuple[int | None, list[str]]:
+    """The commands' positional arguments made overrides (``report NAME``, ``check-assigner NAME``, ``assigners
+    NAME``, compare's short forms). Returns (an exit code when the command is done or misused, else None; the
+    overrides)."""
+    if cmd == "new-assigner":
+        if print_config:
+            print("gearlab: error: new-assigner reads no config (usage: gearlab new-assigner NAME)", file=sys.stderr)
+            return 2, overrides
+        return _new_assigner(overrides), overrides
+    if cmd == "report":
+        if not overrides or "=" in overrides[0]:
+            print("gearlab: error: usage: gearlab report COMPARISON [compare.metric=...] [compare.target=0.5]",
+                  file=sys.stderr)
+            return 2, overrides
+        return None, [f"compare.name={overrides[0]}", *overrides[1:]]
+    if cmd == "assigners" and overrides and "=" not in overrides[0]:
+        if not print_config:
+            return _describe_assigner(overrides[0], overrides[1:]), overrides
+        return None, overrides[1:]  # NAME only picks what to describe; the config is the rest
+    if cmd == "compare":  # short forms: assigners=[...] seeds=[...] workers=N
+        short = {"assigners": "compare.assigners", "seeds": "compare.seeds", "workers": "compare.workers",
+                 "name": "compare.name"}
+        return None, [f"{short[o.split('=', 1)[0]]}={o.split('=', 1)[1]}" if o.split("=", 1)[0] in short else o
+                      for o in overrides]
+    if cmd == "check-assigner":
+        if not overrides or "=" in overrides[0]:
+            print("gearlab: error: usage: gearlab check-assigner NAME [overrides]", file=sys.stderr)
+            return 2, overrides
+        return None, [f"assigner={overrides[0]}", *overrides[1:]]
+    return None, overrides
+
+
+def _compare(cfg, overrides: list[str]) -> int:
+    """``gearlab compare``: run (or resume) the comparison, print its summary and table. Exit 0, 1 if a child
+    failed, 128 + the signal when stopped (130 for a compare.max_minutes stop)."""
+    from gearlab.commands.compare import compare
+
+    base = [o for o in overrides if not o.startswith(("compare.", "assigner=", "assigner.name=", "assigner.base="))]
+    res = compare(cfg, base)
+    if res.get("interrupted"):
+        return 128 + res["signal"] if res.get("signal") else 130
+    print(compare_summary(cfg))
+    print("\n" + res["table"])  # last: the paired table, the credit-eval table, the learning and power lines
+    return 1 if res["failed"] else 0
 
 
 def _export(cfg) -> int:
