@@ -160,18 +160,35 @@ def is_fsdp1(model: nn.Module) -> bool:
 
 def shard_fsdp2(modules: list[nn.Module], mesh: Any, *, bf16: bool, cpu_offload: bool) -> None:
     """``fully_shard`` each decoder layer, then the model root, for every model in ``modules`` (policy,
-    frozen reference / teacher copies: each rank holds only its shard of each)."""
+    frozen reference / teacher copies: each rank holds only its shard of each).
+
+    ``bf16`` (``trainer.precision=bf16-mixed`` on a GPU): the sharded run computes exactly what one unsharded
+    process computes under bf16 autocast, so that 1 and N GPUs give the same run. Only the decoder layers' matrix
+    weights are gathered in bfloat16 (autocast would cast them to it anyway, to the same bits); the norms (one small
+    unit per layer) and the root's embedding and head keep their float32 master dtype, as under autocast, where the
+    residual stream and the norms stay float32. Gathering every parameter in bfloat16, FSDP2's usual setting, puts
+    the embedding and norms in bfloat16 too: another computation than one GPU's, whose rounding flips sampled
+    tokens from the first rollout on. Gradients are reduced in float32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kw: dict[str, Any] = {"mesh": mesh}
-    if bf16:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
+    # (cast_forward_inputs off: the float32 residual stream enters each layer as it is, as under autocast)
+    matrices = {**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                        cast_forward_inputs=False)}
     for m in modules:
         for layer in decoder_layers(m):
-            fully_shard(layer, **kw)
+            norms = [sub for sub in _own_param_modules(layer) if not isinstance(sub, nn.Linear)] if bf16 else []
+            if norms:  # RMSNorm / LayerNorm (and Qwen3's q/k norms): one float32 unit, one all-gather per layer
+                fully_shard(norms, **kw)
+            fully_shard(layer, **(matrices if bf16 else kw))
         fully_shard(m, **kw)
+
+
+def _own_param_modules(layer: nn.Module) -> list[nn.Module]:
+    """The submodules of ``layer`` (not itself) that hold parameters of their own."""
+    return [sub for sub in layer.modules() if sub is not layer and any(True for _ in sub.parameters(recurse=False))]
 
 
 def global_max_int(x: int, device: torch.device) -> int:
