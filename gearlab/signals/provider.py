@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from gearlab.core.batch import RolloutBatch
 from gearlab.core.logprobs import response_hidden, token_kl, token_logprobs
-from gearlab.core.sdpa import differentiable_attention
 from gearlab.signals.registry import PASS_SIGNALS, TEACHER_SIGNALS, Signal, SignalContext, get_signal, signal_name
 
 
@@ -89,10 +88,8 @@ class SignalProvider:
             was_training = self.model.training
             self.model.eval()
             try:
-                # some of these backpropagate to their inputs (saliency): no cuDNN attention (gearlab.core.sdpa)
-                with differentiable_attention():
-                    for sig in sorted(extra, key=signal_name):
-                        signals[sig] = fns[sig](ctx).detach().float() * m
+                for sig in sorted(extra, key=signal_name):
+                    signals[sig] = fns[sig](ctx).detach().float() * m
             finally:
                 self.model.train(was_training)
         return ppass, signals

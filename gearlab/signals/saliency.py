@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gearlab.core.logprobs import position_ids_from_mask
+from gearlab.core.sdpa import differentiable_attention
 from gearlab.signals.registry import Signal, SignalContext, register_signal
 from gearlab.signals.spans import response_segments
 
@@ -160,14 +161,16 @@ def reasoning_noise(seed: int, row: int, n: int, hidden_size: int, sigma: float)
 
 @contextmanager
 def _input_grads_only(model: nn.Module) -> Iterator[None]:
-    """Every parameter frozen for the duration; flags restored exactly; fails if a .grad appeared."""
+    """Every parameter frozen for the duration; flags restored exactly; fails if a .grad appeared. Attention runs
+    without cuDNN's SDPA backend, whose backward is wrong on some masked inputs (gearlab.core.sdpa)."""
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     had_grad = [p.grad is not None for p in params]
     try:
         for p in params:
             p.requires_grad_(False)
-        yield
+        with differentiable_attention():
+            yield
     finally:
         for p, f in zip(params, flags):
             p.requires_grad_(f)
