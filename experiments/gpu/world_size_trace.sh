@@ -7,7 +7,7 @@
 #   c  algorithm.crop_padding=false (every micro-batch as wide as the batch)
 #   d  deterministic kernels and SDPA's math backend (TRACE_DETERMINISTIC=1)
 # or, with SET=dtype, by the parameters' dtype: f float32, m bf16-mixed over float32 (a = auto = bfloat16 on a
-# GPU under trainer.precision=32-true); SET=mixed: the bf16-mixed pair alone; SET=chunk: bf16-mixed with rollout.batch_size=16 (the same decode shapes)
+# GPU under trainer.precision=32-true); SET=mixed: bf16-mixed with 2 mini-batches and with 1; SET=one: one GPU, unsharded vs FSDP2 (bf16-mixed); SET=chunk: bf16-mixed with rollout.batch_size=16 (the same decode shapes)
 # All runs share one output folder (one warm start) and differ by run name. Writes $OUT/world_size_trace.json.
 . experiments/gpu/site.sh
 OUT="${OUT:-/tmp/wst_out}"; T="${TRACE_ROOT:-/tmp/wst}"; rm -rf "$T"; mkdir -p "$OUT" "$T"
@@ -24,7 +24,15 @@ if [[ "${SET:-kernels}" == kernels ]]; then
   pairs="a1:a1b a1:a2 c1:c2 d1:d2 a1:c1 a1:d1"
 elif [[ "$SET" == mixed ]]; then
   run m1 1 0 trainer.precision=bf16-mixed; run m2 2 0 trainer.precision=bf16-mixed
-  pairs="m1:m2"
+  # one mini-batch: rank r's micro-batches then hold the rows of 1 GPU's micro-batches (micro_batch_size divides 16)
+  run n1 1 0 trainer.precision=bf16-mixed algorithm.mini_batches=1; run n2 2 0 trainer.precision=bf16-mixed algorithm.mini_batches=1
+  pairs="m1:m2 n1:n2"
+elif [[ "$SET" == one ]]; then  # one GPU: unsharded vs FSDP2 over a mesh of 1, bf16-mixed, with and without
+  # activation checkpointing (the same rows in every backward pass: the bits should agree)
+  run m1 1 0 trainer.precision=bf16-mixed; run s1 1 0 trainer.precision=bf16-mixed trainer.strategy=fsdp2
+  run m1k 1 0 trainer.precision=bf16-mixed trainer.activation_checkpointing=true
+  run s1k 1 0 trainer.precision=bf16-mixed trainer.strategy=fsdp2 trainer.activation_checkpointing=true
+  pairs="m1:s1 m1k:s1k"
 elif [[ "$SET" == chunk ]]; then  # bf16-mixed, each generate call 16 rows on 1 GPU as on each of 2
   run m1c 1 0 trainer.precision=bf16-mixed rollout.batch_size=16; run m2c 2 0 trainer.precision=bf16-mixed rollout.batch_size=16
   pairs="m1c:m2c"
