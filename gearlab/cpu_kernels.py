@@ -65,7 +65,8 @@ _ROUTED: list[bool] = []  # [True] once nn.Linear is routed in this process
 def route_linear() -> bool:
     """Send ``nn.Linear`` on CPU float32 tensors to oneDNN's matrix product (forward and both backward products),
     when pinned and torch has oneDNN; anything else (GPU, other dtypes, tensor subclasses such as DTensor, a
-    ``torch.compile`` trace) keeps torch's own path. Idempotent; returns whether the route is in force.
+    ``torch.compile`` trace, CPU autocast, which casts a Linear to bfloat16 only on torch's own path) keeps torch's
+    own path. Idempotent; returns whether the route is in force.
 
     Why: MKL's ``COMPATIBLE`` branch is the only MKL branch that adds alike on Intel and AMD, and it is slow (0.6 ms
     against 0.26 for a [128, 192] x [192, 512] product on an AMD EPYC). oneDNN's AVX2 kernel (``ONEDNN_MAX_CPU_ISA``)
@@ -111,7 +112,7 @@ def route_linear() -> bool:
         w, b = self.weight, self.bias
         if (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
                 and type(x) is torch.Tensor and type(w) in plain and (b is None or type(b) in plain)
-                and x.numel() > 0 and not torch.compiler.is_compiling()):
+                and x.numel() > 0 and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")):
             if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
                 return OneDNNLinear.apply(x, w, b)
             return product(x, w, b)

@@ -62,6 +62,13 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
+def _norm(module: nn.Module, x: Tensor) -> Tensor:
+    """A norm's forward without the module's hooks: under FSDP2 with bf16-mixed a layer's norms are a float32 unit of
+    their own (gearlab.parallel.distributed.shard_fsdp2), whose hooks would treat it as a root before any forward of
+    the model and free the weights that the caller has gathered for the whole decode."""
+    return module.forward(x)
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -73,12 +80,12 @@ def attn_inputs(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, head_dim:
     lifts module parameters to graph inputs), and its shapes do not depend on the cache length."""
     B, S, _ = h.shape
     a = layer.self_attn
-    x = layer.input_layernorm(h)
+    x = _norm(layer.input_layernorm, h)
     q = a.q_proj(x).view(B, S, -1, head_dim)
     k = a.k_proj(x).view(B, S, -1, head_dim)
     v = a.v_proj(x).view(B, S, -1, head_dim).transpose(1, 2)
     if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm of queries and keys before the rotation
-        q, k = a.q_norm(q), a.k_norm(k)
+        q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
     return _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin), v
 
 
@@ -86,7 +93,7 @@ def attn_output_and_mlp(layer: nn.Module, h: Tensor, o: Tensor) -> Tensor:
     """The rest of a layer after attention: residual stream h [B, S, H_model] and attention output o [B, S, H·D]
     → the layer's output [B, S, H_model] (o_proj, residual, post-attention norm, MLP, residual)."""
     h = h + layer.self_attn.o_proj(o)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + layer.mlp(_norm(layer.post_attention_layernorm, h))
 
 
 def attn_inputs_fused(layer: nn.Module, w: Tensor, b: Tensor | None, h: Tensor, cos: Tensor, sin: Tensor,
@@ -95,11 +102,11 @@ def attn_inputs_fused(layer: nn.Module, w: Tensor, b: Tensor | None, h: Tensor, 
     the widths of q, k and v in it."""
     B, S, _ = h.shape
     a = layer.self_attn
-    q, k, v = F.linear(layer.input_layernorm(h), w, b).split(sizes, dim=-1)
+    q, k, v = F.linear(_norm(layer.input_layernorm, h), w, b).split(sizes, dim=-1)
     q, k = q.reshape(B, S, -1, head_dim), k.reshape(B, S, -1, head_dim)
     v = v.reshape(B, S, -1, head_dim).transpose(1, 2)
     if hasattr(a, "q_norm"):
-        q, k = a.q_norm(q), a.k_norm(k)
+        q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
     return _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin), v
 
 
@@ -108,7 +115,7 @@ def attn_output_and_mlp_fused(layer: nn.Module, w: Tensor, b: Tensor | None, h: 
     first; ``b`` its bias or None)."""
     h = h + layer.self_attn.o_proj(o)
     mlp = layer.mlp
-    gate, up = F.linear(layer.post_attention_layernorm(h), w, b).chunk(2, dim=-1)
+    gate, up = F.linear(_norm(layer.post_attention_layernorm, h), w, b).chunk(2, dim=-1)
     return h + mlp.down_proj(mlp.act_fn(gate) * up)
 
 

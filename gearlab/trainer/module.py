@@ -102,8 +102,9 @@ class GRPOModule(L.LightningModule):
             return
         from gearlab.parallel.distributed import shard_fsdp2
 
-        # trainer.precision=bf16-mixed: bf16 compute, fp32 gradient reduction, master weights in the loaded dtype
-        bf16 = self.cfg.trainer.precision.startswith("bf16") and self.device.type == "cuda"
+        # trainer.precision=bf16-mixed: the matrices gathered in bf16 (what autocast computes with), fp32 gradient
+        # reduction, master weights in the loaded dtype; also on the CPU, where autocast is bf16 too
+        bf16 = self.cfg.trainer.precision.startswith("bf16")
         models = [m for m in (self.policy, self.ref_policy, self.teacher.copy) if m is not None]
         shard_fsdp2(models, mesh["data_parallel"], bf16=bf16, cpu_offload=self.cfg.trainer.cpu_offload)
         self._sharded = True
@@ -278,10 +279,10 @@ class GRPOModule(L.LightningModule):
     ) -> dict[str, float]:
         """ppo_epochs × mini_batches optimizer steps over the rollout; returns the diagnostics of all of them.
 
-        The mini-batches partition the GLOBAL batch (rows of all ranks, rank order) by one seeded permutation, so
-        mini-batch k holds the same rows whatever the number of ranks; each rank trains its own rows of it (maybe
-        none: it then runs empty passes so that the ranks' collectives still pair up). A non-finite loss or
-        gradient on any rank skips the optimizer step on every rank (one all-reduced flag).
+        The mini-batches and their micro-batches partition the GLOBAL batch (rows of all ranks, rank order;
+        ``tiled_mini_batches``), so mini-batch k holds the same rows whatever the number of ranks; each rank trains
+        its own rows of it (maybe none: it then runs empty passes so that the ranks' collectives still pair up). A
+        non-finite loss or gradient on any rank skips the optimizer step on every rank (one all-reduced flag).
         adv None (with ``seq_adv`` [B]): the credit is assigned inside the update, each micro-batch from the entropy
         of its own forward (``_entropy_in_forward``); the advantages and the method's metrics (averaged over
         micro-batches) are left in ``self._forward_credit``."""
@@ -294,25 +295,26 @@ class GRPOModule(L.LightningModule):
         B = rb.batch_size
         world = self.trainer.world_size if self._trainer is not None else 1
         first = (self.trainer.global_rank if self._trainer is not None else 0) * B
-        mb_size = B * world // alg.mini_batches
         crop = alg.crop_padding if alg.crop_padding is not None else self.device.type == "cuda"
         sums: dict[str, Tensor] = {}  # metric → [Σ value·weight, Σ weight] over every micro-batch of every step
         grad_norms: list[float] = []
         for epoch in range(alg.ppo_epochs):
             g = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, it, 10_000 + epoch))
-            order = torch.randperm(B * world, generator=g) if alg.mini_batches > 1 else torch.arange(B * world)
+            plan = tiled_mini_batches(B * world, alg.mini_batches, alg.micro_batch_size, g)
             for m in range(alg.mini_batches):
-                sel = order[m * mb_size : (m + 1) * mb_size]
-                idx = (sel[(sel >= first) & (sel < first + B)] - first).to(self.device)
+                # this rank's rows of mini-batch m, in local indices, micro-batch by micro-batch
+                mine = [(t[(t >= first) & (t < first + B)] - first).to(self.device) for t in plan[m]]
+                mine = [t for t in mine if t.numel()]
+                idx = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long, device=self.device)
                 # clamp: a mini-batch with no selected token has a zero loss, not 0/0
                 counts = {name: (self._global_sum(mk[idx].sum().float()).clamp_min(1),
                                  self._global_sum((mk[idx].sum(-1) > 0).sum().float()).clamp_min(1))
                           for name, mk in (("pg", loss_mask), ("full", rb.response_mask))}
                 opt.zero_grad(set_to_none=True)
                 finite = torch.ones((), device=self.device)
-                chunks = micro_batches(
+                chunks = micro_batches(  # a token budget forms its own micro-batches; else the plan's tiles
                     idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens
-                ) if idx.numel() else []
+                ) if idx.numel() and alg.micro_batch_tokens > 0 else mine
                 # sharded ranks must run the same number of forward/backward passes: pad with empty ones
                 n_max = global_max_int(len(chunks), self.device)
                 for j in range(n_max):
@@ -554,6 +556,28 @@ def _grads_finite(model: nn.Module) -> bool:
     flags = [torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all()
              for g in (p.grad for p in model.parameters()) if g is not None]
     return bool(torch.stack(flags).all()) if flags else True
+
+
+def tiled_mini_batches(n_rows: int, mini_batches: int, micro: int, generator: torch.Generator) -> list[list[Tensor]]:
+    """The rows 0..n_rows-1 of a global batch as ``mini_batches`` mini-batches, each a list of micro-batches (global
+    row ids [≤ micro] int64): the rows are cut into consecutive tiles of ``micro × mini_batches`` rows, and a seeded
+    permutation of each tile gives every mini-batch ``micro`` of its rows, one micro-batch (a last, shorter tile is
+    split as evenly as it goes). With one mini-batch: consecutive runs of ``micro`` rows, in order.
+
+    Why tiles: a rank owns a contiguous run of global rows, so when that run is whole tiles (``micro ×
+    mini_batches`` divides each rank's rows) each rank forms exactly the micro-batches that one process forms over
+    the whole batch. Under bf16 autocast every backward pass rounds its weight gradients to bfloat16, so which rows
+    share a pass matters: the same passes on 1 and N processes give the same run up to float32 sums."""
+    out: list[list[Tensor]] = [[] for _ in range(mini_batches)]
+    tile = micro * mini_batches
+    for s in range(0, n_rows, tile):
+        rows = torch.arange(s, min(s + tile, n_rows))
+        if mini_batches > 1:
+            rows = rows[torch.randperm(rows.numel(), generator=generator)]
+        for k, part in enumerate(rows.tensor_split(mini_batches)):
+            if part.numel():
+                out[k].append(part)
+    return out
 
 
 def micro_batches(idx: Tensor, lengths: Tensor, max_seqs: int, max_tokens: int = 0) -> list[Tensor]:

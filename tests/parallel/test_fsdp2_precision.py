@@ -18,6 +18,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    import gearlab.core  # noqa: F401  (as in a run: nn.Linear's CPU route is in force)
     from gearlab.models.tiny import build_tiny_model, build_tokenizer
     from gearlab.parallel.distributed import decoder_layers, leave_process_group, shard_fsdp2, unsharded
 

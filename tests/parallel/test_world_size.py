@@ -7,7 +7,8 @@ ratio is bounded more loosely (1e-2; measured 3e-4 to 2.5e-3): Adam divides each
 few elements whose gradient is near 0 (2 or 3 in a million here) turn float rounding into visible steps. Each setting
 combines options whose world-size dependence was found in review: the mini-batch partition, std_scope=batch, the
 Dr.GRPO normaliser, ppo_epochs > 1, assigners with a teacher pass (gear, rlsd) and one that samples Monte-Carlo
-continuations of every response (vineppo: seeded by the global row).
+continuations of every response (vineppo: seeded by the global row); and bf16-mixed, where FSDP2 must compute what
+one process computes under autocast.
 """
 from __future__ import annotations
 
@@ -30,7 +31,15 @@ SETTINGS = {
                            "assigner.options.max_steps=4"],
     "seq-mean-token-sum/gear-batch-scale": ["algorithm.agg=seq-mean-token-sum", "assigner=gear",
                                             "assigner.options.scale=batch", "assigner.options.normalisation=batch"],
+    # FSDP2 gathers the matrices in bf16 (norms and embedding fp32) under CPU autocast; the fast decoder; tiles of
+    # 8 × 2 rows, so each micro-batch holds the same rows on 1 and 2 processes, as bf16 weight gradients need
+    "bf16-mixed/gear/fast/2-minibatches": ["trainer.precision=bf16-mixed", "algorithm.agg=token-mean",
+                                           "assigner=gear", "rollout.engine=fast", "algorithm.mini_batches=2",
+                                           "algorithm.micro_batch_size=8"],
 }
+# (norm, max-element) bounds on the gap / update where they differ from (1e-4, 1e-2): under bf16 autocast the gap
+# measured 4.3e-4 (norm) and 4.1e-2 (max), with every logged value equal to 1e-4
+BOUNDS = {"bf16-mixed/gear/fast/2-minibatches": (1e-3, 0.2)}
 LOGGED = ("train/reward", "train/accuracy", "train/frac_zero_std", "train/response_len", "train/adv_abs_mean",
           "update/pg_loss", "update/clipfrac", "credit/adv_abs_mean", "credit/abs_up_frac",
           "mc/continuations", "mc/tokens")  # (mc/: vineppo's continuations, summed over ranks)
@@ -83,7 +92,8 @@ def _compare(tmp_path, name: str, n: int, prompts: int = 8) -> None:
     assert float(upd.abs().max()) > 1e-4, f"{name}: the run barely trained; the comparison would be empty"
     ratio, max_ratio = float(gap.norm() / upd.norm()), float(gap.abs().max() / upd.abs().max())
     print(f"{name}, {n} processes: gap / update = {ratio:.2e} (norm), {max_ratio:.2e} (max)")
-    assert ratio <= 1e-4 and max_ratio <= 1e-2, (
+    bound, max_bound = BOUNDS.get(name, (1e-4, 1e-2))
+    assert ratio <= bound and max_ratio <= max_bound, (
         f"{name}: {n} processes end {ratio:.3g} (norm) / {max_ratio:.3g} (max) × the update away from 1 process")
     l1, l2 = _logged(one), _logged(two)
     assert l1.keys() == l2.keys() and {"train/reward", "update/pg_loss", "credit/adv_abs_mean"} <= l1.keys()
