@@ -23,7 +23,8 @@ if [[ "${SET:-kernels}" == kernels ]]; then
   run d1 1 1; run d2 2 1
   pairs="a1:a1b a1:a2 c1:c2 d1:d2 a1:c1 a1:d1"
 elif [[ "$SET" == mixed ]]; then
-  run m1 1 0 trainer.precision=bf16-mixed; run m2 2 0 trainer.precision=bf16-mixed
+  # micro-batches of 8 × 2 mini-batches: tiles of 16 rows, one per rank (the same passes on 1 and 2 GPUs)
+  run m1 1 0 trainer.precision=bf16-mixed algorithm.micro_batch_size=8; run m2 2 0 trainer.precision=bf16-mixed algorithm.micro_batch_size=8
   # one mini-batch: rank r's micro-batches then hold the rows of 1 GPU's micro-batches (micro_batch_size divides 16)
   run n1 1 0 trainer.precision=bf16-mixed algorithm.mini_batches=1; run n2 2 0 trainer.precision=bf16-mixed algorithm.mini_batches=1
   pairs="m1:m2 n1:n2"
