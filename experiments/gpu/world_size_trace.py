@@ -102,6 +102,11 @@ def _rows(d: Path, it: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _flat_diff(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], keys=None) -> torch.Tensor:
+    """x − y over every tensor (in the order of ``keys``, default x's), flattened into one vector."""
+    return torch.cat([(x[k] - y[k]).flatten() for k in (keys if keys is not None else x)])
+
+
 def compare(a: Path, b: Path) -> dict:
     """Per iteration: how many global rows sampled other tokens and where the first differing token is; the
     weight gap ‖w_b − w_a‖ / ‖w_a − w_start‖ (and max |·| ratio), and the fraction of weights whose update has
@@ -109,7 +114,7 @@ def compare(a: Path, b: Path) -> dict:
     res: dict = {}
     w0 = torch.load(a / "w_start.pt")
     its = sorted(int(p.stem[4:]) for p in a.glob("w_it*.pt"))
-    prev_a = w0
+    prev_a = prev_b = w0
     for it in its:
         ra, rb = _rows(a, it), _rows(b, it)
         diff = [i for i, ((x, _), (y, _)) in enumerate(zip(ra, rb)) if not torch.equal(x, y)]
@@ -120,21 +125,16 @@ def compare(a: Path, b: Path) -> dict:
             neq = (x[:n] != y[:n]).nonzero()
             first = int(neq[0]) if len(neq) else n
         wa, wb = torch.load(a / f"w_it{it}.pt"), torch.load(b / f"w_it{it}.pt")
-        up = torch.cat([(wa[k] - w0[k]).flatten() for k in wa])
-        gap = torch.cat([(wb[k] - wa[k]).flatten() for k in wa])
-        step_a = torch.cat([(wa[k] - prev_a[k]).flatten() for k in wa])
-        step_b = torch.cat([(wb[k] - torch.load(b / f"w_it{it - 1}.pt")[k] if it > its[0] else wb[k] - w0[k]).flatten()
-                            for k in wa])
-        flips = ((step_a * step_b) < 0).float().mean()
+        up, gap = _flat_diff(wa, w0), _flat_diff(wb, wa)
+        flips = ((_flat_diff(wa, prev_a) * _flat_diff(wb, prev_b, keys=wa)) < 0).float().mean()
         res[f"it{it}"] = {"rows": len(ra), "rows_other_tokens": len(diff), "first_row": diff[0] if diff else None,
                           "first_token_pos": first, "norm_ratio": float(gap.norm() / up.norm()),
                           "max_ratio": float(gap.abs().max() / up.abs().max()),
                           "step_sign_flips": float(flips)}
-        prev_a = wa
+        prev_a, prev_b = wa, wb
     for f in sorted(a.glob("g_step*.pt")):
         ga, gb = torch.load(f), torch.load(b / f.name)
-        da = torch.cat([ga[k].flatten() for k in ga])
-        db = torch.cat([gb[k].flatten() for k in ga])
+        da, db = torch.cat([ga[k].flatten() for k in ga]), torch.cat([gb[k].flatten() for k in ga])
         d = (db - da).abs()
         rel = d / da.abs().clamp_min(1e-30)
         res[f.stem] = {"g_absmax": float(da.abs().max()), "g_median_abs": float(da.abs().median()),
