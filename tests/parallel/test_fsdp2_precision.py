@@ -1,17 +1,17 @@
 """FSDP2 under bf16-mixed computes what one unsharded process computes under bf16 autocast (2 processes, gloo,
 CPU autocast): the same logits and the same gradients to the bit, where one process's backward passes hold the
 rows each rank holds (bf16 autocast rounds each pass's weight gradients to bfloat16, so which rows share a pass
-matters; the trainer's micro-batches are not formed that way, so a GPU run on 1 and N GPUs still differs by that
-rounding, docs/scaling.md). With FSDP2's
-usual all-bfloat16 gathering the embedding and norms would be bfloat16 and the logits differ (checked too, so the
-comparison can tell)."""
+matters: the trainer's micro-batches, gearlab.trainer.module.tiled_mini_batches). With FSDP2's usual all-bfloat16
+gathering the embedding and norms would be bfloat16 and the logits differ (checked too, so the comparison can
+tell)."""
 from __future__ import annotations
 
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.parallel.tiny import join_gloo
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
@@ -19,14 +19,9 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import gearlab.core  # noqa: F401  (as in a run: nn.Linear's CPU route is in force)
-    from gearlab.models.tiny import build_tiny_model, build_tokenizer
     from gearlab.parallel.distributed import decoder_layers, leave_process_group, shard_fsdp2, unsharded
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    tok = build_tokenizer()
-    model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                             intermediate_size=128, seed=0)
+    tok, model = join_gloo(rank, world, init)
     plain, usual = copy.deepcopy(model), copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world,))
     shard_fsdp2([model], mesh, bf16=True, cpu_offload=False)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gearlab.models.tiny import build_tiny_model, build_tokenizer
 from gearlab.rollout.base import SamplingParams
+from tests.parallel.tiny import join_gloo, small_model
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
@@ -20,11 +19,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     from gearlab.parallel.replica import DecodeReplica
     from gearlab.rollout.fast import FastDecoder
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    tok = build_tokenizer()
-    model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                             intermediate_size=128, seed=0)
+    tok, model = join_gloo(rank, world, init)
     plain = copy.deepcopy(model)
     shard_fsdp2([model], init_device_mesh("cpu", (world,)), bf16=False, cpu_offload=False)
     rep = DecodeReplica()
@@ -54,8 +49,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 
 def plain_state(rank: int, tok) -> dict:
-    return build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                            intermediate_size=128, seed=0).state_dict()
+    return small_model(tok).state_dict()
 
 
 def test_the_replica_follows_the_shards_in_place_and_decodes_their_tokens(tmp_path):
