@@ -30,6 +30,28 @@ def embedded_dir(cfg: Config, name: str) -> Path:
     return Path(cfg.trainer.output_dir) / "embedded" / name.split(":", 1)[1]
 
 
+# warmstart.json's record of each setting a user sets on purpose (the seed and the task's options are left out: a run of
+# another seed or task variant reuses the model warm-started once, as documented)
+_RECORDED = {"steps": "steps_requested", "batch_size": "batch_size", "lr": "lr", "bf16": "bf16"}
+
+
+def check_warm_start_folder(cfg: Config, d: Path) -> None:
+    """An existing warm start in ``d`` is reused only if it was made with the configured ``warmstart.*`` steps, batch
+    size, learning rate and bf16 setting; otherwise one-line ConfigError (its folder name does not depend on them)."""
+    import json
+
+    f = d / "warmstart.json"
+    if not f.is_file():
+        return
+    made = json.loads(f.read_text())
+    w = cfg.warmstart
+    diff = [f"warmstart.{k}={getattr(w, k)} (it has {made[r]})" for k, r in _RECORDED.items()
+            if r in made and made[r] != getattr(w, k)]
+    if diff:
+        raise ConfigError(f"{d} holds a warm start made with other settings than {', '.join(diff)}: remove that "
+                          "folder, or set trainer.output_dir to keep both")
+
+
 def check_model_folder(ref: str, key: str = "model.name_or_path") -> None:
     """A local model reference must be a Hugging Face model folder (with config.json); raises a one-line
     ConfigError otherwise. Hub ids (``org/name`` with no such local path) pass: they are checked when loaded."""
@@ -94,6 +116,7 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
         if not (d / "config.json").is_file():
             log.warning("no warm-started model at %s: running `gearlab warmstart` first", d)
             run_warmstart(cfg)
+        check_warm_start_folder(cfg, d)
         path = str(d)
     dtype = policy_dtype(cfg, cuda=torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"))
     if not ref.startswith("embedded:"):

@@ -426,14 +426,15 @@ def test_grid_expands_into_methods_with_their_own_runs(tmp_path):
     names = methods_of(cfg)
     assert names == ["grpo", "gear:q_on=0.8,beta=2", "gear:q_on=0.95,beta=2", "gear_random"]
     children = plan(cfg, [], "m", "p", names)
-    assert [c.label for c in children[:4]] == [
-        "grpo-s0", "gear:q_on=0.8,beta=2-s0", "gear:q_on=0.95,beta=2-s0", "gear_random-s0"
+    # seed-major, the baseline (compare.baseline=grpo) last within each seed
+    assert [c.label for c in children[:5]] == [
+        "gear:q_on=0.8,beta=2-s0", "gear:q_on=0.95,beta=2-s0", "gear_random-s0", "grpo-s0", "gear:q_on=0.8,beta=2-s1"
     ]
-    child = load_config([o for o in children[2].overrides if not o.startswith("model.")])
+    child = load_config([o for o in children[1].overrides if not o.startswith("model.")])
     # the child's run is its own method (tag `assigner` = the label) built from gear with the grid's options
     assert (child.assigner.name, child.assigner.base) == ("gear:q_on=0.95,beta=2", "gear")
     assert child.assigner.options.q_on == 0.95 and child.assigner.options.beta == 2
-    rnd = load_config([o for o in children[3].overrides if not o.startswith("model.")])
+    rnd = load_config([o for o in children[2].overrides if not o.startswith("model.")])
     assert (
         rnd.assigner.name, rnd.assigner.base, rnd.assigner.options.segmentation
     ) == ("gear_random", "gear", "random")

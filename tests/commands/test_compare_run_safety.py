@@ -86,25 +86,25 @@ def test_a_second_comparison_of_the_same_name_is_refused_and_a_dead_holder_block
 
 @pytest.mark.slow
 def test_sigterm_stops_a_comparison_and_a_changed_config_is_refused(tmp_path, tiny_model_dir):
-    """SIGTERM during the first of two children (workers=1, in this process): it stops at an iteration boundary, the
-    second never starts, both runs are KILLED, exit 143. Re-running with another learning rate is then refused with
-    one line naming the child and the key, and changes nothing."""
+    """SIGTERM during the first of two children (workers=1, in this process; gear-s0: the baseline runs last): it
+    stops at an iteration boundary, the second never starts, both runs are KILLED, exit 143. Re-running with another
+    learning rate is then refused with one line naming the child and the key, and changes nothing."""
     base = _base(tmp_path, tiny_model_dir, "trainer.max_steps=50", "trainer.checkpoint_every=1")
     args = ["compare", *base, "name=st", "assigners=[grpo,gear]", "seeds=[0]"]
-    code, out, err = _start_and_signal(args, tmp_path / "st" / "grpo-s0", signal.SIGTERM)
+    code, out, err = _start_and_signal(args, tmp_path / "st" / "gear-s0", signal.SIGTERM)
     assert code == 143, err[-3000:]
     assert ("[compare] interrupted (stop requested by SIGTERM): 0 finished, 1 stopped at an iteration boundary, "
             "1 not started, 0 failed (of 2 to run)") in out
-    assert not (tmp_path / "st" / "gear-s0").exists()  # no child was launched after the signal
+    assert not (tmp_path / "st" / "grpo-s0").exists()  # no child was launched after the signal
     runs = _runs(tmp_path, "st")
-    assert set(runs) == {"parent", "grpo-s0"}
-    assert runs["grpo-s0"].info.status == "KILLED" and runs["parent"].info.status == "KILLED"
+    assert set(runs) == {"parent", "gear-s0"}
+    assert runs["gear-s0"].info.status == "KILLED" and runs["parent"].info.status == "KILLED"
 
     before = _hashes(tmp_path / "st")
     refused = _cli("compare", *base, "optim.lr=2e-3", "name=st", "assigners=[grpo,gear]", "seeds=[0]")
     assert refused.returncode == 2, refused.stderr[-2000:]
     (line,) = refused.stderr.strip().splitlines()
-    assert line.startswith("gearlab: error: comparison 'st', child grpo-s0: run folder ")
+    assert line.startswith("gearlab: error: comparison 'st', child gear-s0: run folder ")
     assert "optim.lr (saved 0.001, now 0.002)" in line
     assert _hashes(tmp_path / "st") == before
     assert _runs(tmp_path, "st")["parent"].info.status == "KILLED"  # not reopened
@@ -117,11 +117,12 @@ def test_ctrl_c_stops_a_parallel_comparison_without_starting_queued_children(tmp
 130."""
     base = _base(tmp_path, tiny_model_dir, "trainer.max_steps=50", "trainer.checkpoint_every=1", "eval.num_problems=0")
     args = ["compare", *base, "name=pc", "assigners=[grpo,gear]", "seeds=[0,1]", "workers=2"]
-    code, out, err = _start_and_signal(args, tmp_path / "pc" / "grpo-s0", signal.SIGINT, group=True)
+    code, out, err = _start_and_signal(args, tmp_path / "pc" / "gear-s0", signal.SIGINT, group=True)
     assert code == 130, err[-3000:]
-    # gear-s0 ran beside grpo-s0, unless its worker was still starting when the signal came: then it never began
-    started = [label for label in ("grpo-s0", "gear-s0") if (tmp_path / "pc" / label).exists()]
-    assert started[0] == "grpo-s0"
+    # queued first (the baseline runs last in each seed): gear-s0; grpo-s0 ran beside it, unless its worker was still
+    # starting when the signal came: then it never began
+    started = [label for label in ("gear-s0", "grpo-s0") if (tmp_path / "pc" / label).exists()]
+    assert started[0] == "gear-s0"
     assert (f"[compare] interrupted (stop requested by SIGINT): 0 finished, {len(started)} stopped at an iteration "
             f"boundary, {4 - len(started)} not started, 0 failed (of 4 to run)") in out
     runs = _runs(tmp_path, "pc")

@@ -45,3 +45,25 @@ def test_training_bf16_parameters_at_a_small_lr_warns(caplog):
         warn_bf16_training(torch.nn.Linear(2, 2), 1e-5)  # fp32 master weights: nothing to say
         warn_bf16_training(torch.nn.Linear(2, 2).to(torch.bfloat16), 1e-3)
     assert len(caplog.records) == 1 and "bfloat16" in caplog.records[0].getMessage()
+
+
+def test_a_warm_start_made_with_other_settings_is_not_reused(tmp_path):
+    """The embedded warm start's folder name does not depend on warmstart.*: a folder made with 600 steps must not
+    silently stand in for a config that asks for 300 (a comparison preset with a weaker start would train from the
+    wrong model)."""
+    from gearlab.commands.compare import _start_model
+    from gearlab.config import ConfigError
+    from gearlab.models.loading import embedded_dir, load_policy
+    from gearlab.models.shipped import copy_shipped
+
+    base = [f"trainer.output_dir={tmp_path}", "model.name_or_path=embedded:tiny-arith"]
+    copy_shipped(embedded_dir(load_config(base), "embedded:tiny-arith"))  # the default recipe: 600 steps, lr 3e-3
+    model, _, _ = load_policy(load_config(base))
+    assert sum(p.numel() for p in model.parameters()) == 1_242_432
+    assert _start_model(load_config(base)).endswith("embedded/tiny-arith")
+    for override, named in (("warmstart.steps=300", "warmstart.steps=300 (it has 600)"),
+                            ("warmstart.lr=0.001", "warmstart.lr=0.001 (it has 0.003)")):
+        for call in (load_policy, _start_model):
+            with pytest.raises(ConfigError) as e:
+                call(load_config([*base, override]))
+            assert named in str(e.value) and "\n" not in str(e.value)
