@@ -68,11 +68,18 @@ class Report:
     credit_eval: dict[str, Any] | None = None
 
 
+def _signless_zero(v: float, spec: str) -> str:
+    """``format(v, spec)``, with a value that rounds to zero printed without a sign of its own ("0.0", never "-0.0":
+    two methods that end level differ by a float's last bit either way)."""
+    out = format(v, spec)
+    return format(0.0, spec) if float(out) == 0 else out
+
+
 def _fmt(mean: float, hw: float | None, n: int, pct: bool = False, note: str | None = None) -> str:
     """``mean ± hw (n=…)``; without an interval ``mean (n=…)``, or ``mean (n=…, note)`` saying why it is withheld."""
     if math.isnan(mean):
         return "–"
-    f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.3g}")
+    f = (lambda v: _signless_zero(100 * v, ".1f")) if pct else (lambda v: _signless_zero(v, ".3g"))
     if hw is not None:
         return f"{f(mean)} ± {f(hw)} (n={n})"
     return f"{f(mean)} (n={n}, {note})" if note else f"{f(mean)} (n={n})"
@@ -230,8 +237,8 @@ def _pct(metric: str) -> bool:
 def _amount(v: float, pct: bool, signed: bool = False) -> str:
     """A difference in the metric's units: ``4.1 points`` for percent-like metrics (×100), else ``0.0412``."""
     if pct:
-        return f"{100 * v:{'+' if signed else ''}.1f} points"
-    return f"{v:{'+' if signed else ''}.3g}"
+        return f"{_signless_zero(100 * v, ('+' if signed else '') + '.1f')} points"
+    return _signless_zero(v, ("+" if signed else "") + ".3g")
 
 
 def learning_line(rows: list[dict[str, Any]], pct: bool) -> str:

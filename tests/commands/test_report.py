@@ -248,3 +248,14 @@ def test_credit_eval_table_for_one_file_has_no_interval():
                                                          "n": 3}}}])
     assert "onset" not in md2 and "auroc" not in s2["assigners"]["grpo"] and "| grpo     | –" in md2
     assert not math.isnan(s2["assigners"]["grpo"]["blame_ratio"]["mean"])
+
+
+def test_a_difference_that_rounds_to_zero_has_no_sign():
+    """Two methods that end level differ by a float's last bit (the main job: gear − grpo = −1.2e-8): the table
+    prints "0.0", not "-0.0"; a real difference keeps its sign."""
+    from gearlab.commands.report import _amount, _fmt
+
+    assert _fmt(-1.19e-8, 0.0072, 5, pct=True) == "0.0 ± 0.7 (n=5)"
+    assert _fmt(-0.0006, 0.0072, 5, pct=True) == "-0.1 ± 0.7 (n=5)"
+    assert _amount(-1.19e-8, True, signed=True) == "+0.0 points" and _amount(-0.0004, True) == "0.0 points"
+    assert _amount(-0.0412, False, signed=True) == "-0.0412" and _fmt(-1e-12, None, 3) == "-1e-12 (n=3)"
