@@ -44,8 +44,8 @@ def plan(cfg: Config, base_overrides: list[str], model_path: str, parent_id: str
     :func:`methods_of`)."""
     names = list(names or cfg.compare.assigners)
     # the baseline of a credit comparison is usually plain GRPO, the cheapest method (every other one adds passes to
-    # it): queued last in its seed, the workers' last children are short ones and neither waits long for the other
-    # (the main job on 2 workers: 6.2 -> 5.6 min)
+    # it): queued last in its seed, the workers' last children are short ones, so neither waits long for the other
+    # (in seed-then-listed order the main job's 2 workers ended on one GEAR child, the other worker idle ~70 s)
     names = [a for a in names if a != cfg.compare.baseline] + [a for a in names if a == cfg.compare.baseline]
     out = []
     for seed in cfg.compare.seeds:
