@@ -113,10 +113,11 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
         path = str(d)
     elif ref in WARMSTARTED:
         d = embedded_dir(cfg, ref)
-        if not (d / "config.json").is_file():
+        if (d / "config.json").is_file():
+            check_warm_start_folder(cfg, d)
+        else:
             log.warning("no warm-started model at %s: running `gearlab warmstart` first", d)
             run_warmstart(cfg)
-        check_warm_start_folder(cfg, d)
         path = str(d)
     dtype = policy_dtype(cfg, cuda=torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"))
     if not ref.startswith("embedded:"):
