@@ -58,7 +58,7 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.3  # share of each GPU the engine may take (weights + KV cache)
     tensor_parallel_size: int = 1  # >1: the engine spans this many of a node's training processes
     max_model_len: int = 0  # 0 = longest prompt budget + max_new_tokens, rounded up
-    enforce_eager: bool = True  # no CUDA graphs (start-up in seconds; set false for long GPU runs)
+    enforce_eager: bool = True  # no CUDA graphs: starts in seconds; false: graphs (4B on H200s: rollouts 4.4x faster)
     dtype: str = "auto"  # auto = the dtype the policy computes in: autocast's under bf16-mixed, else its parameters'
     cpu_kv_cache_gb: int = 1  # CPU backend only (VLLM_CPU_KVCACHE_SPACE)
 

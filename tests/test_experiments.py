@@ -68,6 +68,8 @@ def test_the_benchmarks_timing_hook_reads_what_the_trainer_logs(tmp_path):
     (tmp_path / "4b_d2_fast.json").write_text(json.dumps(
         {"shape": "qwen3-4b", "devices": 2, "engine": "fast", "sharded_weights": "gather", "s_per_iter": 6.5,
          "rollout_s": 2.0, "signals_credit_s": 1.5, "update_s": 3.0, "peak_mem_gib_rank0": 41.0,
-         "engine_stats": {"fast/ms_per_step": 7.25}, "device": "NVIDIA H200"}))
-    row = "| 4b_d2_fast | qwen3-4b | 2 | fast (gather) | 6.50 | 2.00 | 1.50 | 3.00 | 7.25 | – | – | – | 41.0 |"
+         "engine_stats": {"fast/ms_per_step": 7.25}, "device": "NVIDIA H200", "s_per_iter_all": [30.0, 7.0, 6.5, 6.0],
+         "warmup_iters": 1, "overrides": ["trainer.compile=true"]}))
+    row = ("| 4b_d2_fast | qwen3-4b | 2 | fast (gather) | `trainer.compile=true` | 2–4 | 6.50 | 2.00 | 1.50 | 3.00 | "
+           "7.25 | – | – | – | 41.0 |")
     assert row in table([tmp_path]).splitlines() and "Card: NVIDIA H200." in table([tmp_path])

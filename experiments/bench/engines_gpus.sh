@@ -3,8 +3,9 @@
 # each variant its own process. Results land in $OUT (or ./gpu_out); the table: python experiments/bench/engines_table.py DIR
 #   bash experiments/bench/engines_gpus.sh 4b      # qwen3-4b: hf / fast on 1 GPU, hf / fast (gather, replica) on 2
 #   bash experiments/bench/engines_gpus.sh 8b      # qwen3-8b on 2 GPUs (it does not fit one): hf / fast (gather, replica)
-#   bash experiments/bench/engines_gpus.sh tuned   # qwen3-4b, the fast decoder with trainer.compile=true on 1 and 2
-#                                                  # GPUs, and on 2 without activation checkpointing
+#   bash experiments/bench/engines_gpus.sh tuned   # qwen3-4b, the fast decoder with trainer.compile=true and no
+#                                                  # activation checkpointing, on 2 GPUs and on 1 (`tuned16`: 2 GPUs,
+#                                                  # micro-batches of 16)
 #   bash experiments/bench/engines_gpus.sh vllm    # needs vLLM (experiments/gpu/vllm_bring.sh): 2 GPUs (an engine per
 #                                                  # GPU), 2 GPUs with one engine over both (TP2); `vllm1`: 1 GPU
 # `timeout -k`: Lightning catches SIGTERM and carries on inside vLLM, so a variant past LIMIT is killed 20 s later.
@@ -28,12 +29,13 @@ case "${1:-4b}" in
       run 4b_d2_fast_replica qwen3-4b 2 fast --sharded-weights replica ;;
   8b) run 8b_d2_hf qwen3-8b 2 hf; run 8b_d2_fast qwen3-8b 2 auto
       run 8b_d2_fast_replica qwen3-8b 2 fast --sharded-weights replica ;;
-  tuned) run 4b_d1_fast_compile qwen3-4b 1 auto --set trainer.compile=true
-      run 4b_d2_fast_compile qwen3-4b 2 auto --set trainer.compile=true
-      run 4b_d2_fast_compile_nockpt qwen3-4b 2 auto --set trainer.compile=true --set trainer.activation_checkpointing=false ;;
+  tuned) tuned=(--set trainer.compile=true --set trainer.activation_checkpointing=false)
+      run 4b_d2_fast_tuned qwen3-4b 2 auto "${tuned[@]}"; run 4b_d1_fast_tuned qwen3-4b 1 auto "${tuned[@]}" ;;
+  tuned16) run 4b_d2_fast_tuned_mb16 qwen3-4b 2 auto --set trainer.compile=true \
+      --set trainer.activation_checkpointing=false --set algorithm.micro_batch_size=16 ;;
   vllm) . "${VLLM_SITE:-/tmp/vsite}/env.sh" 2>/dev/null || { echo "vLLM not installed (experiments/gpu/vllm_bring.sh install)"; exit 3; }
       run 4b_d2_vllm qwen3-4b 2 vllm; run 4b_d2_vllm_tp2 qwen3-4b 2 vllm --tp 2 ;;
   vllm1) . "${VLLM_SITE:-/tmp/vsite}/env.sh" 2>/dev/null || { echo "vLLM not installed"; exit 3; }
       run 4b_d1_vllm qwen3-4b 1 vllm ;;
-  *) echo "usage: $0 4b|8b|tuned|vllm|vllm1"; exit 2 ;;
+  *) echo "usage: $0 4b|8b|tuned|tuned16|vllm|vllm1"; exit 2 ;;
 esac

@@ -9,7 +9,8 @@ Random-weight Qwen3 shapes (vocab 151,936: the end token is almost never sampled
 is ``--new`` tokens long), fp32 master weights with bf16 compute (the recipes' setting), 16 prompts × G=8
 × (64 prompt + ``--new`` new tokens), micro-batches of 8, activation checkpointing, one optimizer step per
 iteration. The prompt batch is global: each rank rolls out prompts/devices prompts. Reports the median of
-iterations 2..n per phase (iteration 1 includes warm-up) and rank 0's peak memory.
+iterations warmup+1..n per phase (``--warmup``, default 1: iteration 1 compiles and captures graphs), every
+iteration's phases, and rank 0's peak memory.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "fsdp1", "ddp"])
     ap.add_argument("--new", type=int, default=256, help="new tokens per completion")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="leading iterations left out of the medians (compile and graph capture happen there)")
     ap.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"])
     ap.add_argument("--sharded-weights", default="gather", choices=["gather", "replica"],
                     help="fast decoder on a sharded policy: rollout.fast.sharded_weights")
@@ -91,7 +94,7 @@ def main() -> None:
     trainer.fit(module, datamodule=dm)
     if trainer.is_global_zero:
         tot = [sum(v for k, v in t.items() if k.startswith("time_")) for t in times]
-        later = times[1:] or times
+        later = times[a.warmup:] or times
         med = lambda k: round(statistics.median([t[k] for t in later]), 2)  # noqa: E731
         tokens = PROMPTS * G * (64 + a.new)
         engine_keys = sorted({k for t in later for k in t if k.startswith(("fast/", "vllm/", "engine_"))})
@@ -99,9 +102,11 @@ def main() -> None:
                "engine": cfg.rollout.engine, "sharded_weights": a.sharded_weights, "vllm_tp": a.tp, "overrides": a.set,
                "sequences": PROMPTS * G,
                "new_tokens": a.new, "s_per_iter_all": [round(t, 2) for t in tot],
-               "s_per_iter": round(statistics.median(tot[1:] or tot), 2), "rollout_s": med("time_rollout_s"),
+               "phases_all": [{k[5:]: round(v, 2) for k, v in t.items() if k.startswith("time_")} for t in times],
+               "warmup_iters": a.warmup,
+               "s_per_iter": round(statistics.median(tot[a.warmup:] or tot), 2), "rollout_s": med("time_rollout_s"),
                "signals_credit_s": med("time_signals_credit_s"), "update_s": med("time_update_s"),
-               "tokens_per_s": round(tokens / statistics.median(tot[1:] or tot)),
+               "tokens_per_s": round(tokens / statistics.median(tot[a.warmup:] or tot)),
                "response_len_mean": round(statistics.mean(t["response_len"] for t in times), 1),
                "peak_mem_gib_rank0": round(max(t["peak_gib"] for t in times), 2),
                "engine_stats": {k: round(statistics.median([t[k] for t in later if k in t]), 4) for k in engine_keys},
