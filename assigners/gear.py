@@ -278,29 +278,7 @@ onsets,
         link[:, 1:] = same
 
         # 1. onsets ---------------------------------------------------------------------------
-        pool = valid.clone()
-        if self.exclude_last_tokens > 0:
-            from_end = mask.flip(1).long().cumsum(1).flip(1)  # 1 on the last generated token, 2 before it, …
-            pool &= ~(from_end <= self.exclude_last_tokens)
-        if self.exclude_answer_span:
-            pool &= self._signal(signals, Signal.REASONING_MASK, mask) > 0.5
-        if self.onset_rule == "quantile":
-            thr = _row_quantile(d, pool, self.q_on)
-        else:
-            n = pool.sum(dim=1).clamp(min=1).to(f64)
-            mu = (d * pool).sum(dim=1) / n
-            sigma = (((d - mu[:, None]) ** 2) * pool).sum(dim=1).div(n).sqrt()
-            thr = mu + self.z_k * sigma
-        onset = pool & (d >= thr[:, None]) & (d >= self.d_min)
-        if self.onset_local_max:
-            neg = torch.full_like(d, -math.inf)
-            nb = link.clone()
-            nb[:, 1:] &= pool[:, 1:] & pool[:, :-1]  # nb[t]: t−1 is a usable neighbour of t (and t of t−1)
-            prev = neg.clone()
-            prev[:, 1:] = torch.where(nb[:, 1:], d[:, :-1], neg[:, 1:])
-            nxt = neg.clone()
-            nxt[:, :-1] = torch.where(nb[:, 1:], d[:, 1:], neg[:, :-1])
-            onset &= (d >= prev) & (d >= nxt)
+        pool, onset = self._onsets(d, valid, mask, link, signals)
 
         # 2. extent ---------------------------------------------------------------------------
         tau_h = _row_quantile(H, valid, self.q_h)[:, None]
@@ -339,6 +317,54 @@ onsets,
         ) if seg_w.numel() and self.eps_w > 0 else 0.0
 
         # 5. normalisation ------------------------------------------------------------------------
+        w = self._normalise(w, N, batch)
+
+        out_dtype = seq_advantages.dtype if seq_advantages.is_floating_point() else torch.float32
+        token_adv = (w * A[:, None]).to(out_dtype)
+
+        # bookkeeping for `gearlab inspect`: A = 0 sequences show weight 1 on their generated tokens
+        self.last_weights = torch.where(valid, w, mask.to(f64)).float()
+        self.last_segments = seg_ids
+        self.last_onsets = onset
+        self.last_divergence = d.float()
+        metrics = {**self._metrics(active, valid, onset, in_seg, w, d), "gear_clip_frac": clip_frac,
+                   "onset_strength_mean": float(g[onset & valid].mean()) if bool((onset & valid).any()) else 0.0}
+        return CreditOutput(token_advantages=token_adv, metrics=metrics)
+
+    def _onsets(self, d: Tensor, valid: Tensor, mask: Tensor, link: Tensor,
+                signals: dict[Signal, Tensor]) -> tuple[Tensor, Tensor]:
+        """(pool, onset), both bool [B, T]: the tokens that may start a segment, and those that do (``d`` above the
+        row's threshold and ``d_min``; with ``onset_local_max`` also a local maximum within the turn)."""
+        f64 = torch.float64
+        pool = valid.clone()
+        if self.exclude_last_tokens > 0:
+            from_end = mask.flip(1).long().cumsum(1).flip(1)  # 1 on the last generated token, 2 before it, …
+            pool &= ~(from_end <= self.exclude_last_tokens)
+        if self.exclude_answer_span:
+            pool &= self._signal(signals, Signal.REASONING_MASK, mask) > 0.5
+        if self.onset_rule == "quantile":
+            thr = _row_quantile(d, pool, self.q_on)
+        else:
+            n = pool.sum(dim=1).clamp(min=1).to(f64)
+            mu = (d * pool).sum(dim=1) / n
+            sigma = (((d - mu[:, None]) ** 2) * pool).sum(dim=1).div(n).sqrt()
+            thr = mu + self.z_k * sigma
+        onset = pool & (d >= thr[:, None]) & (d >= self.d_min)
+        if self.onset_local_max:
+            neg = torch.full_like(d, -math.inf)
+            nb = link.clone()
+            nb[:, 1:] &= pool[:, 1:] & pool[:, :-1]  # nb[t]: t−1 is a usable neighbour of t (and t of t−1)
+            prev = neg.clone()
+            prev[:, 1:] = torch.where(nb[:, 1:], d[:, :-1], neg[:, 1:])
+            nxt = neg.clone()
+            nxt[:, :-1] = torch.where(nb[:, 1:], d[:, 1:], neg[:, :-1])
+            onset &= (d >= prev) & (d >= nxt)
+        return pool, onset
+
+    def _normalise(self, w: Tensor, N: Tensor, batch: RolloutBatch) -> Tensor:
+        """``w`` [B, T] rescaled so that each sequence (``sequence``), group or the global batch keeps its GRPO mass:
+        the sum of the weights equals its generated-token count ``N``; ``none`` leaves it as it is."""
+        dev, B, f64 = w.device, w.shape[0], torch.float64
         if self.normalisation == "sequence":
             w = w * (N.to(f64) / w.sum(dim=1).clamp(min=1e-30))[:, None]
         elif self.normalisation in ("group", "batch"):
@@ -352,18 +378,7 @@ onsets,
             if self.normalisation == "batch":  # the global batch's mass (a group never spans ranks)
                 num, den = all_reduce_sum(num), all_reduce_sum(den)
             w = w * (num / den.clamp(min=1e-30))[gidx][:, None]
-
-        out_dtype = seq_advantages.dtype if seq_advantages.is_floating_point() else torch.float32
-        token_adv = (w * A[:, None]).to(out_dtype)
-
-        # bookkeeping for `gearlab inspect`: A = 0 sequences show weight 1 on their generated tokens
-        self.last_weights = torch.where(valid, w, mask.to(f64)).float()
-        self.last_segments = seg_ids
-        self.last_onsets = onset
-        self.last_divergence = d.float()
-        metrics = {**self._metrics(active, valid, onset, in_seg, w, d), "gear_clip_frac": clip_frac,
-                   "onset_strength_mean": float(g[onset & valid].mean()) if bool((onset & valid).any()) else 0.0}
-        return CreditOutput(token_advantages=token_adv, metrics=metrics)
+        return w
 
     # -- the strength of a departure ---------------------------------------------------------------
     @staticmethod

@@ -783,13 +783,46 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
     return proc.wait()
 
 
+def _prepare_workspace(base: str, code: str, mode: _Mode, uid: int | None) -> tuple[str, dict[str, str]]:
+    """Write ``code`` into the call's private folder ``base``; (path of main.py, the child's environment)."""
+    os.chmod(base, 0o700)
+    main_py = os.path.join(base, "main.py")
+    with open(main_py, "w", encoding="utf-8") as f:
+        f.write(code)
+    if mode.fs:  # the reaper builds a new root from these two folders
+        os.mkdir(os.path.join(base, "root"))
+        os.mkdir(os.path.join(base, "scratch"))
+        return main_py, {"PATH": _PATH, "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                         "PYTHONIOENCODING": "utf-8"}
+    if uid is not None:
+        os.chown(base, uid, uid)
+        os.chown(main_py, uid, uid)
+    return main_py, {"PATH": _PATH, "HOME": base, "TMPDIR": base, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+
+
+def _reaper_config(mode: _Mode, base: str, main_py: str, uid: int | None, timeout_s: float, memory_mb: int,
+                   info_fd: int, go_fd: int | None) -> dict:
+    """What the reaper process is told (marshalled on its command line): namespaces, file system plan, limits."""
+    rlimits = [("RLIMIT_CPU", int(math.ceil(timeout_s)) + 1), ("RLIMIT_AS", int(memory_mb) * 1024 * 1024),
+               ("RLIMIT_FSIZE", FSIZE_LIMIT), ("RLIMIT_NOFILE", NOFILE_LIMIT), ("RLIMIT_CORE", 0),
+               ("RLIMIT_NPROC", NPROC_LIMIT)]
+    return {
+        "info_fd": info_fd, "go_fd": go_fd, "ns_flags": mode.ns_flags,
+        "ns_required": mode.ns_required, "fs": mode.fs, "root": os.path.join(base, "root"),
+        "scratch": os.path.join(base, "scratch"), "scratch_bytes": min(int(memory_mb), SCRATCH_LIMIT_MB) << 20,
+        "scratch_inodes": SCRATCH_INODES, "main": main_py, "plan": [list(op) for op in mode.plan],
+        "uid": uid, "gid": uid, "reaper_uid": NOBODY_UID if mode.drop else None, "rlimits": rlimits,
+        "seccomp": mode.seccomp, "cwd": "/work" if mode.fs else base,
+        "main_path": "/work/main.py" if mode.fs else main_py,
+        "setup_failed": SETUP_FAILED,
+        "nr_pivot_root": _SECCOMP_ARCH.get(_MACHINE, (0, {}))[1].get("pivot_root", -1),
+    }
+
+
 def _run(mode: _Mode, code: str, timeout_s: float, memory_mb: int) -> SandboxResult:
     """One call under ``mode``."""
-    cpu_s = int(math.ceil(timeout_s)) + 1
     mem = int(memory_mb) * 1024 * 1024
     uid = SANDBOX_UID_BASE + secrets.randbelow(SANDBOX_UID_COUNT) if mode.drop else None
-    rlimits = [("RLIMIT_CPU", cpu_s), ("RLIMIT_AS", mem), ("RLIMIT_FSIZE", FSIZE_LIMIT),
-               ("RLIMIT_NOFILE", NOFILE_LIMIT), ("RLIMIT_CORE", 0), ("RLIMIT_NPROC", NPROC_LIMIT)]
     out_state: dict = {}
     err_state: dict = {}
     timed_out = False
@@ -799,19 +832,7 @@ def _run(mode: _Mode, code: str, timeout_s: float, memory_mb: int) -> SandboxRes
     oom = False
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gearlab-sandbox-") as base:
-        os.chmod(base, 0o700)
-        main_py = os.path.join(base, "main.py")
-        with open(main_py, "w", encoding="utf-8") as f:
-            f.write(code)
-        if mode.fs:
-            os.mkdir(os.path.join(base, "root"))
-            os.mkdir(os.path.join(base, "scratch"))
-            env = {"PATH": _PATH, "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
-        else:
-            env = {"PATH": _PATH, "HOME": base, "TMPDIR": base, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
-            if uid is not None:
-                os.chown(base, uid, uid)
-                os.chown(main_py, uid, uid)
+        main_py, env = _prepare_workspace(base, code, mode, uid)
         try:
             if mode.cgroup is not None:
                 cgroups = _CallCgroups(mode.cgroup, mem, NPROC_LIMIT)
@@ -823,17 +844,7 @@ def _run(mode: _Mode, code: str, timeout_s: float, memory_mb: int) -> SandboxRes
         go_r, go_w = os.pipe() if cgroups is not None else (None, None)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        config = {
-            "info_fd": info_w, "go_fd": go_r, "ns_flags": mode.ns_flags,
-            "ns_required": mode.ns_required, "fs": mode.fs, "root": os.path.join(base, "root"),
-            "scratch": os.path.join(base, "scratch"), "scratch_bytes": min(int(memory_mb), SCRATCH_LIMIT_MB) << 20,
-            "scratch_inodes": SCRATCH_INODES, "main": main_py, "plan": [list(op) for op in mode.plan],
-            "uid": uid, "gid": uid, "reaper_uid": NOBODY_UID if mode.drop else None, "rlimits": rlimits,
-            "seccomp": mode.seccomp, "cwd": "/work" if mode.fs else base,
-            "main_path": "/work/main.py" if mode.fs else main_py,
-            "setup_failed": SETUP_FAILED,
-            "nr_pivot_root": _SECCOMP_ARCH.get(_MACHINE, (0, {}))[1].get("pivot_root", -1),
-        }
+        config = _reaper_config(mode, base, main_py, uid, timeout_s, memory_mb, info_w, go_r)
         try:
             try:
                 proc = subprocess.Popen([mode.interpreter, "-I", "-S", _REAPER, marshal.dumps(config).hex()],
