@@ -31,19 +31,27 @@ def embedded_dir(cfg: Config, name: str) -> Path:
 
 
 # warmstart.json's record of each setting a user sets on purpose (the seed and the task's options are left out: a run of
-# another seed or task variant reuses the model warm-started once, as documented)
+# another seed or task variant, e.g. arith_hard after arith, reuses the model warm-started once, as documented)
 _RECORDED = {"steps": "steps_requested", "batch_size": "batch_size", "lr": "lr", "bf16": "bf16"}
 
 
 def check_warm_start_folder(cfg: Config, d: Path) -> None:
-    """An existing warm start in ``d`` is reused only if it was made with the configured ``warmstart.*`` steps, batch
-    size, learning rate and bf16 setting; otherwise one-line ConfigError (its folder name does not depend on them)."""
+    """An existing warm start in ``d`` is reused only if it was made on a task of the configured task's kind (its
+    class: ``arith_hard`` may reuse ``arith``'s, ``tool_arith`` may not) and with the configured ``warmstart.*``
+    steps, batch size, learning rate and bf16 setting; otherwise one-line ConfigError (the folder name depends on
+    none of these)."""
     import json
 
     f = d / "warmstart.json"
     if not f.is_file():
         return
     made = json.loads(f.read_text())
+    kind = type(task_from_config(cfg)).__name__
+    made_kind = str(made.get("task_repr", "")).split("(", 1)[0]
+    if made_kind and made_kind != kind:
+        raise ConfigError(f"{d} holds a warm start made on task {made.get('task')!r} ({made_kind}), not on one like "
+                          f"task={cfg.task.name} ({kind}): set trainer.output_dir to a folder of its own, or remove "
+                          "that folder")
     w = cfg.warmstart
     diff = [f"warmstart.{k}={getattr(w, k)} (it has {made[r]})" for k, r in _RECORDED.items()
             if r in made and made[r] != getattr(w, k)]

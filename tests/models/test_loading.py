@@ -67,3 +67,22 @@ def test_a_warm_start_made_with_other_settings_is_not_reused(tmp_path):
             with pytest.raises(ConfigError) as e:
                 call(load_config([*base, override]))
             assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_warm_start_made_on_another_kind_of_task_is_not_reused(tmp_path):
+    """The folder embedded/tiny-arith is named for the model, not the task: the shipped arith warm start must not
+    silently serve task=tool_arith (0 of 512 episodes solved: the model never learnt the call format), while a task
+    variant of the same kind (arith_hard after arith) reuses it, as documented."""
+    from gearlab.commands.compare import _start_model
+    from gearlab.config import ConfigError
+    from gearlab.models.loading import embedded_dir, load_policy
+    from gearlab.models.shipped import copy_shipped
+
+    base = [f"trainer.output_dir={tmp_path}", "model.name_or_path=embedded:tiny-arith"]
+    copy_shipped(embedded_dir(load_config(base), "embedded:tiny-arith"))
+    assert _start_model(load_config([*base, "task=arith_hard"])).endswith("embedded/tiny-arith")
+    for call in (load_policy, _start_model):
+        with pytest.raises(ConfigError) as e:
+            call(load_config([*base, "task=tool_arith"]))
+        msg = str(e.value)
+        assert "task 'arith' (ArithmeticTask)" in msg and "task=tool_arith (ToolArithTask)" in msg and "\n" not in msg
