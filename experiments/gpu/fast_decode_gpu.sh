@@ -7,7 +7,8 @@
 #   credit   ~2 min: experiments/bench/credit_cost.py on the Qwen3-0.6B preset for the entropy methods, with the entropy
 #            computed in the update's forward (needs omegaconf)
 #   bench    ~6 min: the TRL-vs-gearlab table, each variant in its own process; BENCH_VARIANTS (default
-#            trl_default,trl_tuned,gearlab_tuned,gearlab_fast) and BENCH_NAME (default trl_vs_gearlab_tuned; _h200 or _h100 is appended)
+#            trl_default,trl_tuned,gearlab_tuned,gearlab_fast) and BENCH_NAME (default trl_vs_gearlab_tuned; _h200 or _h100 is appended);
+#            BENCH_NEW (new tokens per completion, forced to full length; 0 = the workload's 256) and BENCH_ITERS (4)
 #   vllm     ~4 min: experiments/gpu/vllm_check.py (needs vLLM from experiments/gpu/vllm_bring.sh)
 #   auto     ~2 min: 3 iterations of arith_long_gpu with rollout.engine=auto: the run's config.yaml must record
 #            engine: fast (the default on one CUDA device), with its decode metrics
@@ -45,7 +46,8 @@ for part in "$@"; do
   bench)
     n=${BENCH_NAME:-trl_vs_gearlab_tuned}_${card:-gpu}
     ( [ -f "$VSITE/env.sh" ] && . "$VSITE/env.sh"
-      timeout ${BENCH_TIMEOUT:-560} python experiments/bench/trl_vs_gearlab.py --iters 4 --profile \
+      timeout ${BENCH_TIMEOUT:-560} python experiments/bench/trl_vs_gearlab.py --iters ${BENCH_ITERS:-4} --profile \
+        --new ${BENCH_NEW:-0} \
         --variants "${BENCH_VARIANTS:-trl_default,trl_tuned,gearlab_tuned,gearlab_fast}" \
         --out "$OUT/$n.json" --md "$OUT/$n.md" > "$OUT/$n.log" 2>&1 )
     echo "bench rc=$?"; cat "$OUT/$n.md" 2>/dev/null; tail -c 1500 "$OUT/$n.log" ;;
