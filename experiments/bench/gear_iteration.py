@@ -94,6 +94,7 @@ def main() -> None:
     trainer.fit(module, datamodule=dm)
     if trainer.is_global_zero:
         tot = [sum(v for k, v in t.items() if k.startswith("time_")) for t in times]
+        s_iter = statistics.median(tot[a.warmup:] or tot)
         later = times[a.warmup:] or times
         med = lambda k: round(statistics.median([t[k] for t in later]), 2)  # noqa: E731
         tokens = PROMPTS * G * (64 + a.new)
@@ -104,9 +105,9 @@ def main() -> None:
                "new_tokens": a.new, "s_per_iter_all": [round(t, 2) for t in tot],
                "phases_all": [{k[5:]: round(v, 2) for k, v in t.items() if k.startswith("time_")} for t in times],
                "warmup_iters": a.warmup,
-               "s_per_iter": round(statistics.median(tot[a.warmup:] or tot), 2), "rollout_s": med("time_rollout_s"),
+               "s_per_iter": round(s_iter, 2), "rollout_s": med("time_rollout_s"),
                "signals_credit_s": med("time_signals_credit_s"), "update_s": med("time_update_s"),
-               "tokens_per_s": round(tokens / statistics.median(tot[a.warmup:] or tot)),
+               "tokens_per_s": round(tokens / s_iter),
                "response_len_mean": round(statistics.mean(t["response_len"] for t in times), 1),
                "peak_mem_gib_rank0": round(max(t["peak_gib"] for t in times), 2),
                "engine_stats": {k: round(statistics.median([t[k] for t in later if k in t]), 4) for k in engine_keys},

@@ -789,15 +789,16 @@ def _prepare_workspace(base: str, code: str, mode: _Mode, uid: int | None) -> tu
     main_py = os.path.join(base, "main.py")
     with open(main_py, "w", encoding="utf-8") as f:
         f.write(code)
-    if mode.fs:  # the reaper builds a new root from these two folders
+    if mode.fs:  # the reaper builds a new root from these two folders; the code sees /work and /tmp there
         os.mkdir(os.path.join(base, "root"))
         os.mkdir(os.path.join(base, "scratch"))
-        return main_py, {"PATH": _PATH, "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                         "PYTHONIOENCODING": "utf-8"}
-    if uid is not None:
-        os.chown(base, uid, uid)
-        os.chown(main_py, uid, uid)
-    return main_py, {"PATH": _PATH, "HOME": base, "TMPDIR": base, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+        home, tmp = "/work", "/tmp"
+    else:
+        home = tmp = base
+        if uid is not None:
+            os.chown(base, uid, uid)
+            os.chown(main_py, uid, uid)
+    return main_py, {"PATH": _PATH, "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
 
 
 def _reaper_config(mode: _Mode, base: str, main_py: str, uid: int | None, timeout_s: float, memory_mb: int,
