@@ -272,6 +272,10 @@ class CompareConfig:
     assigners: list[str] = field(default_factory=lambda: ["grpo", "gear"])
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     workers: int = 1  # >1: children run as parallel processes
+    # the GPUs the workers are spread over, round-robin (worker i sees only gpus[i % len(gpus)], as its cuda:0).
+    # None: every visible CUDA device (CUDA_VISIBLE_DEVICES, else all; nothing is set with fewer than two);
+    # []: no pinning, every child sees every GPU and uses the first
+    gpus: list[int] | None = None
     baseline: str = "grpo"
     # the primary metric, named before the comparison runs (recorded on its parent run): the final value of each
     # child. Default: the evaluation's avg@k (k samples per problem on eval.num_problems problems), far less noisy

@@ -26,6 +26,10 @@ else
   if [[ -f $R/mlflow.db ]]; then echo "warm machine: $R/ kept, the comparison starts again (resumes)"
   elif [[ -f $STATE ]]; then tar xzf "$STATE" -C "$R" && echo "fresh machine: store restored from $STATE"
   else echo "fresh machine, new comparison"; fi
+  # on a host of several cards: WORKERS_PER_GPU children on each (compare.gpus spreads the workers round-robin);
+  # compare.* settings are not part of a child's configuration, so one and two cards can share a comparison
+  NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  (( NG > 1 )) && set -- "compare.workers=$(( ${WORKERS_PER_GPU:-3} * NG ))" "$@"
   setsid gearlab compare experiment="$EXP" trainer.output_dir="$R" "$@" >> "$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDF"
 fi

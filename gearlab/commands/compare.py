@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from gearlab import credit
 from gearlab.config import Config, ConfigError, flatten, load_config
 from gearlab.core.metrics import sanitize_metric_key
-from gearlab.commands.compare_pool import Child, _Relay, _run_pool, run_child
+from gearlab.commands.compare_pool import Child, _Relay, _run_pool, run_child, worker_gpus
 from gearlab.stopping import StopSignals
 from gearlab.trainer.tracking import ensure_experiment, git_sha, record_versions, tracking_uri, version_tags
 
@@ -223,7 +223,7 @@ def _parent_run(cfg: Config, client: mlflow.MlflowClient, exp_id: str, parent: A
             raise ConfigError(f"key 'model.name_or_path': the starting weights {model_path} (sha256 {digest[:12]}) "
                               f"are not those comparison {cfg.compare.name!r} started from (sha256 {before[:12]}); "
                               f"restore that model or give a new compare.name")
-        return parent
+        return _extend_design(client, parent, names, list(cfg.compare.seeds))
     parent = client.create_run(exp_id, run_name=f"{cfg.compare.name}", tags={
         "comparison_id": cfg.compare.name, "gearlab.role": "parent", "git_sha": git_sha(), "task": cfg.task.name,
         "assigners": ",".join(names), "methods_json": json.dumps(names), "seeds": ",".join(map(str, cfg.compare.seeds)),
@@ -234,6 +234,24 @@ def _parent_run(cfg: Config, client: mlflow.MlflowClient, exp_id: str, parent: A
         client.log_param(parent.info.run_id, k, v)
     client.log_text(parent.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
     return parent
+
+
+def _extend_design(client: mlflow.MlflowClient, parent: Any, names: list[str], seeds: list[int]) -> Any:
+    """A resumed comparison run with more methods or seeds than it started with (its first sessions ran a part of
+    the design): the parent's design tags, which the report reads, become the union (the old order first)."""
+    tags = parent.data.tags
+    have = (json.loads(tags["methods_json"]) if "methods_json" in tags
+            else [a for a in tags.get("assigners", "").split(",") if a])
+    had_seeds = [int(s) for s in tags.get("seeds", "").split(",") if s]
+    methods = have + [a for a in names if a not in have]
+    all_seeds = had_seeds + [s for s in seeds if s not in had_seeds]
+    if methods == have and all_seeds == had_seeds:
+        return parent
+    print(f"[compare] the comparison grows: methods {have} -> {methods}, seeds {had_seeds} -> {all_seeds}", flush=True)
+    for k, v in (("methods_json", json.dumps(methods)), ("assigners", ",".join(methods)),
+                 ("seeds", ",".join(map(str, all_seeds)))):
+        client.set_tag(parent.info.run_id, k, v)
+    return client.get_run(parent.info.run_id)
 
 
 def _todo(cfg: Config, client: mlflow.MlflowClient, children: list[Child], done: dict[tuple[str, int], Any]
@@ -308,11 +326,22 @@ def _run_children(cfg: Config, todo: list[Child], prog: _Progress, stop: StopSig
                 if outcome == "stopped":  # a signal, or trainer.deadline (compare.max_minutes): the rest waits
                     break
         else:
+            gpus = worker_gpus(cfg.compare.workers, cfg.compare.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                               _cuda_count())
+            if gpus:
+                print(f"[compare] workers spread over GPUs: {', '.join(gpus)}", flush=True)
             _run_pool(todo, cfg.compare.workers, threads, Path(cfg.trainer.output_dir) / cfg.compare.name, prog,
-                      stop, relay)
+                      stop, relay, gpus)
     except KeyboardInterrupt:
         return True
     return False
+
+
+def _cuda_count() -> int:
+    """CUDA devices this process sees, without creating a CUDA context here (the children own the GPUs)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _mark_failed(client: mlflow.MlflowClient, exp_id: str, comparison: str, c: Child, err: str) -> None:

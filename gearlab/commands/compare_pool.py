@@ -104,11 +104,28 @@ _WORKER_STOP: StopSignals | None = None
 _WORKER_EVENT: Any = None
 
 
-def _worker_init(threads: int, stop_event: Any) -> None:
+def worker_gpus(workers: int, gpus: list[int] | None, visible: str | None, count: int) -> list[str] | None:
+    """The CUDA device each of ``workers`` pool workers is given (its CUDA_VISIBLE_DEVICES), round-robin, or None
+    to leave the environment alone. ``gpus``: compare.gpus (None = every visible device; [] = no pinning);
+    ``visible``: the comparison's own CUDA_VISIBLE_DEVICES; ``count``: the CUDA devices it sees. One device or
+    one worker: None (nothing to spread)."""
+    if gpus is None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
+    else:
+        ids = [str(g) for g in gpus]
+    if workers <= 1 or not ids or (gpus is None and len(ids) == 1):
+        return None
+    return [ids[i % len(ids)] for i in range(workers)]
+
+
+def _worker_init(threads: int, stop_event: Any, gpu_slots: Any = None) -> None:
     """A pool worker's set-up. It starts with SIGINT and SIGTERM ignored (_run_pool), so no signal can kill it during
     its seconds of imports and break the pool; it then leaves the terminal's process group (a Ctrl-C there reaches the
-    comparison only, which relays every request once: a second copy would read as "Ctrl-C again") and catches both."""
+    comparison only, which relays every request once: a second copy would read as "Ctrl-C again") and catches both.
+    ``gpu_slots``: a queue of CUDA device ids, one taken per worker before torch can touch CUDA."""
     global _WORKER_STOP, _WORKER_EVENT
+    if gpu_slots is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_slots.get(timeout=60)
     import torch
 
     torch.set_num_threads(threads)
@@ -135,9 +152,10 @@ def _settle(f: Any, c: Child, finish: Callable[..., None]) -> str:
 
 
 def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish: Callable[..., None],
-              stop: StopSignals | None = None, relay: _Relay | None = None) -> None:
+              stop: StopSignals | None = None, relay: _Relay | None = None, gpus: list[str] | None = None) -> None:
     """Run the children on ``workers`` long-lived processes (started once, so the ~10 s of imports are paid once
     per worker, not once per child); each child's output goes to ``<output_dir>/<comparison>/<label>/train.log``.
+    ``gpus``: worker i's CUDA_VISIBLE_DEVICES (:func:`worker_gpus`), None to leave it as it is.
     On a stop request (Ctrl-C, SIGTERM: ``stop``, relayed to the workers by ``relay``) the running children stop at
     an iteration boundary and no queued one starts (reported "not_started"); a second Ctrl-C aborts the running ones
     and raises KeyboardInterrupt here once every outcome is reported. A child stopped by its trainer.deadline
@@ -152,6 +170,11 @@ def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish:
     os.environ.update(env)
     ctx = multiprocessing.get_context("spawn")
     relay.event = ctx.Event()
+    slots = None
+    if gpus:
+        slots = ctx.Queue()
+        for g in gpus:
+            slots.put(g)
     pool = None
     try:
         # the workers are spawned by the submits: they inherit SIGINT and SIGTERM ignored (see _worker_init). A
@@ -160,7 +183,7 @@ def _run_pool(todo: list[Child], workers: int, threads: int, logs: Path, finish:
         ignored = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} if main else {}
         try:
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                       initargs=(threads, relay.event))
+                                       initargs=(threads, relay.event, slots))
             futures = {pool.submit(run_child,
                                    [*c.overrides, "trainer.progress_bar=false", f"trainer.threads={threads}"],
                                    str(logs / c.label / "train.log")): c for c in todo}

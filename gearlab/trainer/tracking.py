@@ -198,6 +198,8 @@ def make_logger(cfg: Config, run_dir: Path, *, model_name: str) -> GearlabMLFlow
     tags = {"assigner": cfg.assigner.name, "assigner_base": cfg.assigner.base or cfg.assigner.name,
             "seed": str(cfg.trainer.seed), "task": cfg.task.name,
             "model": model_name, "git_sha": git_sha(), **dict(cfg.logging.tags)}
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):  # which card a comparison's worker ran this child on
+        tags["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
     if run_id is None:
         tags.update(version_tags())
     if cfg.logging.parent_run_id:

@@ -397,9 +397,11 @@ def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, caps
     # the random tiny model never answers right: with the real reward every update is zero and so proves nothing
     common = ["trainer.threads=1", "task.name=arith_hashed", f"task.plugins=[{plug}]"]
     _run(tmp_path / "seq", tiny_model_dir, "pool", "[grpo,gear]", "[0,1]", *common)
-    out, _ = _run(tmp_path / "par", tiny_model_dir, "pool", "[grpo,gear]", "[0,1]", *common, "compare.workers=2")
+    # compare.gpus: each worker sees one card of the list (here ids no CPU process touches), recorded on its runs
+    out, _ = _run(tmp_path / "par", tiny_model_dir, "pool", "[grpo,gear]", "[0,1]", *common, "compare.workers=2",
+                  "compare.gpus=[5,7]")
     assert out["failed"] == []
-    hist = {}
+    hist, cards = {}, []
     for d in ("seq", "par"):
         client = mlflow.MlflowClient(f"sqlite:///{tmp_path / d / 'mlflow.db'}")
         exp = client.get_experiment_by_name("compare/pool")
@@ -407,7 +409,10 @@ def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, caps
                        "train/reward", "train/response_len", "eval/", "update/pg_loss", "update/grad_norm",
                        "update/clipfrac"))
                    for r in client.search_runs([exp.experiment_id]) if "assigner" in r.data.tags}
+        cards.append(sorted(r.data.tags.get("cuda_visible_devices", "-") for r in client.search_runs(
+            [exp.experiment_id]) if "assigner" in r.data.tags))
     assert len(hist["par"]) == 4 and hist["par"] == hist["seq"]
+    assert cards[0] == ["-"] * 4 and set(cards[1]) == {"5", "7"}  # both workers ran children, each on its card
     h = hist["seq"][("gear", "1")]
     assert {"train/reward", "train/response_len", "eval/greedy_accuracy", "update/pg_loss", "update/grad_norm",
             "update/clipfrac"} <= h.keys()  # every prefix compared above names metrics that were logged
@@ -415,6 +420,33 @@ def test_worker_pool_gives_the_in_process_numbers(tmp_path, tiny_model_dir, caps
     log = (tmp_path / "par" / "pool" / "gear-s1" / "train.log").read_text()
     assert "done" not in capsys.readouterr().out.split("to run")[1]  # children's output stays off the console
     assert log.strip()  # ... and lands in the child's log
+
+
+def test_a_comparison_run_in_parts_reports_the_whole_design(tmp_path):
+    """A comparison started with part of its design (3 methods, 3 seeds in a first session) and resumed with all of
+    it: the parent's design tags, which the report's table follows, become the union, in the first order."""
+    from gearlab.commands.compare import _extend_design
+    from gearlab.commands.report import _design
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("compare/parts")
+    parent = client.create_run(exp, tags={"methods_json": '["gear", "gear_random", "grpo"]', "seeds": "0,1,2",
+                                          "baseline": "grpo", "gearlab.role": "parent"})
+    assert _extend_design(client, parent, ["gear", "grpo"], [0]) is parent  # a subset changes nothing
+    grown = _extend_design(client, parent, ["oar_g", "gear", "rlsd", "gear_random", "grpo"], [0, 1, 2, 3, 4])
+    assert _design(grown, [], None) == ("grpo", ["gear", "gear_random", "grpo", "oar_g", "rlsd"], [0, 1, 2, 3, 4])
+    assert client.get_run(parent.info.run_id).data.tags["assigners"] == "gear,gear_random,grpo,oar_g,rlsd"
+
+
+def test_workers_are_spread_round_robin_over_the_gpus():
+    from gearlab.commands.compare_pool import worker_gpus
+
+    assert worker_gpus(6, None, None, 2) == ["0", "1", "0", "1", "0", "1"]  # 3 children per card on a 2-GPU host
+    assert worker_gpus(3, None, "4,6", 8) == ["4", "6", "4"]  # the comparison's own CUDA_VISIBLE_DEVICES is kept
+    assert worker_gpus(3, [2], None, 8) == ["2", "2", "2"]  # named: every worker on GPU 2
+    # nothing to spread: one worker, one card, no card (CPU), or pinning switched off
+    assert worker_gpus(1, None, None, 2) is None and worker_gpus(3, None, None, 1) is None
+    assert worker_gpus(3, None, None, 0) is None and worker_gpus(3, [], None, 2) is None
 
 
 def test_grid_expands_into_methods_with_their_own_runs(tmp_path):
