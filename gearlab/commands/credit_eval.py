@@ -158,10 +158,11 @@ def after_training(cfg: Config, result: Any) -> dict[str, Any] | None:
         return None
     from omegaconf import OmegaConf
 
-    from gearlab.models.loading import load_policy
+    from gearlab.models.loading import load_for_evaluation
 
-    sub = OmegaConf.merge(cfg, {"model": {"name_or_path": str(final)}})
-    model, tok, _ = load_policy(sub)
+    # on the run's GPU when it had one (a comparison's children scored on the CPU took ~8 min each beside the card)
+    sub = OmegaConf.merge(cfg, {"model": {"name_or_path": str(final)}, "eval": {"checkpoint": None}})
+    model, tok, _ = load_for_evaluation(sub)
     return credit_eval(sub, model=model, tokenizer=tok, model_name=f"{cfg.trainer.run_name or final.parent.name}/final",
                        run_id=result.mlflow_run_id or None, out_dir=Path(result.run_dir) / "credit_eval",
                        log=bool(result.mlflow_run_id))

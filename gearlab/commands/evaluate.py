@@ -17,8 +17,6 @@ def evaluate(cfg: Config) -> dict[str, Any]:
     task = task_from_config(cfg)
     model, tok, name = load_for_evaluation(cfg)
     check_prompt_lengths(cfg, task, tok, model.config)
-    if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"):
-        model = model.cuda()
     split = "test (held out)" if getattr(
         task, "held_out", True
     ) else "train (the task has no separate test split: not held out)"

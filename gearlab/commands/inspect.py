@@ -74,6 +74,8 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
                   temperature: float, chunk_size: int, micro_batch_size: int, seed: int, task) -> dict[str, Any]:
     """Credit of every assigner on the same batch (shared signal computations cached per teacher context).
     ``sampling``: what the batch was drawn with; Monte-Carlo signals continue its responses with it."""
+    dev = next(model.parameters()).device  # computed where the model is (a GPU's), returned on the CPU
+    rb = rb.to(dev)
     seq_adv = group_advantages(rb.rewards, rb.group_ids)
     provider = SignalProvider(model, temperature=temperature, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
                               tokenizer=tokenizer)
@@ -87,11 +89,11 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
         if ctx == "sibling":  # each row's own teacher prompt, with a correct response of its group (sdpo)
             rows = [p for p in problems for _ in range(group_size)]
             tids, tmask = engine.encode_sibling_prompts(rows, rb.meta["texts"], rb.rewards, rb.group_ids)
-            batch = rb.with_(teacher_prompt_ids=tids, teacher_prompt_mask=tmask)
+            batch = rb.with_(teacher_prompt_ids=tids.to(dev), teacher_prompt_mask=tmask.to(dev))
         elif ctx != "none":
             tids, tmask = engine.encode_prompts(problems, privileged=ctx)
-            batch = rb.with_(teacher_prompt_ids=tids.repeat_interleave(group_size, 0),
-                             teacher_prompt_mask=tmask.repeat_interleave(group_size, 0))
+            batch = rb.with_(teacher_prompt_ids=tids.repeat_interleave(group_size, 0).to(dev),
+                             teacher_prompt_mask=tmask.repeat_interleave(group_size, 0).to(dev))
         # a signal computed with other options (e.g. shear's span length, OAR's pfinal_mode) is another signal
         opts = tuple(sorted((k, repr(v)) for k, v in a.signal_options().items()))
         todo = frozenset(s for s in a.needs if (ctx, s, opts) not in cache)
@@ -105,13 +107,14 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
         adv = res.token_advantages.float()
         if res.loss_mask is not None:  # tokens outside the loss mask get no gradient: their effective credit is 0
             adv = adv * (res.loss_mask.bool() & batch.response_mask).float()
-        out["credit"][name] = adv
+        out["credit"][name] = adv.cpu()
         out["metrics"][name] = {k: float(v) for k, v in res.metrics.items()}
         if getattr(a, "last_segments", None) is not None:
-            out["segments"][name] = a.last_segments
+            out["segments"][name] = a.last_segments.cpu()
     for (ctx, s, _), v in cache.items():
         if s in TRACE_SIGNALS:
-            out["signals"][TRACE_SIGNALS[s]] = v
+            out["signals"][TRACE_SIGNALS[s]] = v.cpu()
+    out["seq_adv"] = seq_adv.cpu()
     return out
 
 

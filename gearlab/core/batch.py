@@ -166,6 +166,14 @@ class RolloutBatch:
                            teacher_prompt_mask=self.teacher_prompt_mask[:, q0:])
         return replace(self, **changes)
 
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """A copy with every tensor field on ``device`` (this batch itself on a CPU-only target it is already on)."""
+        device = torch.device(device)
+        tensors = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
+        if all(v.device == device for v in tensors.values()):
+            return self
+        return replace(self, **{k: v.to(device) for k, v in tensors.items()})
+
     def with_(self, **changes: Any) -> "RolloutBatch":
         """A copy with some fields replaced (validated again)."""
         return replace(self, **changes)

@@ -202,17 +202,26 @@ def run_warmstart(cfg: Config, *, shipped: bool = True) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+def inference_device(cfg: Config) -> torch.device:
+    """Where a command that only runs the model (eval, inspect, replay, credit-eval) puts it: the GPU when one is
+    visible and ``trainer.accelerator`` allows it (auto, gpu, cuda), else the CPU."""
+    cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
+    return torch.device("cuda" if cuda else "cpu")
+
+
 def load_for_evaluation(cfg: Config) -> tuple[torch.nn.Module, Any, str]:
-    """(model, tokenizer, name) for ``eval`` / ``inspect`` / ``replay``: ``eval.checkpoint`` when given (a Hugging
-    Face folder, or a training checkpoint whose policy weights go into ``model.name_or_path``'s architecture),
-    else ``model.name_or_path``."""
+    """(model, tokenizer, name) for ``eval`` / ``inspect`` / ``replay`` / ``credit-eval``, on
+    :func:`inference_device`: ``eval.checkpoint`` when given (a Hugging Face folder, or a training checkpoint whose
+    policy weights go into ``model.name_or_path``'s architecture), else ``model.name_or_path``."""
     ckpt = cfg.eval.checkpoint
     if ckpt is None or (Path(ckpt) / "config.json").is_file():  # an HF folder (a sharded checkpoint is a folder too)
         if ckpt is not None:
             cfg.model.name_or_path = ckpt
-        return load_policy(cfg)
-    if not Path(ckpt).exists():
-        raise ConfigError(f"key 'eval.checkpoint': not found: {ckpt}")
-    model, tok, name = load_policy(cfg)  # the architecture; weights come from the checkpoint
-    model.load_state_dict(policy_state_from_checkpoint(ckpt), strict=False)
-    return model, tok, f"{name}@{ckpt}"
+        model, tok, name = load_policy(cfg)
+    else:
+        if not Path(ckpt).exists():
+            raise ConfigError(f"key 'eval.checkpoint': not found: {ckpt}")
+        model, tok, name = load_policy(cfg)  # the architecture; weights come from the checkpoint
+        model.load_state_dict(policy_state_from_checkpoint(ckpt), strict=False)
+        name = f"{name}@{ckpt}"
+    return model.to(inference_device(cfg)), tok, name

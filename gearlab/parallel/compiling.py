@@ -20,10 +20,12 @@ Dynamo's default limit of 8 per function, past which it silently runs eager; the
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from gearlab.parallel.distributed import decoder_layers
@@ -39,6 +41,17 @@ to eager."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
     setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+
+
+def deterministic_inductor() -> None:
+    """Make Inductor's kernel choices a function of the code and the device, not of timings. By default it times
+    several block sizes of each reduction kernel (RMSNorm, softmax, logsumexp) at its first launch and keeps the
+    fastest; they sum in different orders, so two processes on one card (a comparison's children, three per card)
+    picked differently and sampled different tokens from the same weights and seeds. Inductor's deterministic mode
+    takes its heuristic's choice instead. ``TORCHINDUCTOR_DETERMINISTIC=0`` in the environment leaves it off."""
+    cfg = torch._inductor.config
+    if hasattr(cfg, "deterministic") and os.environ.get("TORCHINDUCTOR_DETERMINISTIC") != "0":
+        cfg.deterministic = True
 
 
 def _dispatching_forward(eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,6 +71,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     model (a copy would share the original's compiled bound methods).
     """
     raise_recompile_limit()
+    deterministic_inductor()
     n = 0
     for layer in decoder_layers(model):
         if getattr(layer.forward, "__gearlab_compiled__", False):
@@ -77,6 +91,7 @@ def compiled_function(fn: Callable[..., Any], enabled: bool = True) -> Callable[
         return fn
     if fn not in _FUNCTIONS:
         raise_recompile_limit()
+        deterministic_inductor()
         _FUNCTIONS[fn] = torch.compile(fn, dynamic=None)
     return _FUNCTIONS[fn]
 

@@ -187,7 +187,7 @@ class GRPOModule(L.LightningModule):
                                       group_offset=rank * len(batch["problems"]))
         if self.generator is not None:
             self.generator.release()  # e.g. vLLM sleeps: its GPU memory goes back to the update
-        rb = _to_device(rb, self.device)
+        rb = rb.to(self.device)
         # from the rewards of the GLOBAL batch (every rank computes all of them and keeps its own rows): a group's
         # statistics, std_scope=batch's std and every logged reward statistic are those of all B rows
         all_rewards, all_groups = gather_rows(rb.rewards), gather_rows(rb.group_ids)
@@ -611,13 +611,6 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     decay = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
     return min_ratio + (1 - min_ratio) * decay
-
-
-def _to_device(rb: RolloutBatch, device: torch.device) -> RolloutBatch:
-    if device.type == "cpu":
-        return rb
-    fields = {k: v.to(device) for k, v in vars(rb).items() if isinstance(v, Tensor)}
-    return rb.with_(**fields)
 
 
 def _to_container(cfg: Config) -> dict:

@@ -30,6 +30,7 @@ def test_select_and_input_layout():
     s = b.select(torch.tensor([1]))
     assert s.batch_size == 1 and s.meta["texts"] == ["b"]
     assert b.input_ids().shape == (2, 7) and b.full_attention_mask().shape == (2, 7)
+    assert b.to("cpu") is b  # already there: no copy (a GPU target copies every tensor field)
 
 
 def test_a_cropped_micro_batch_keeps_every_real_tokens_logprob(tiny_model_factory):

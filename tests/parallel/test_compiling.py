@@ -162,3 +162,20 @@ def test_every_forward_variant_of_a_run_gets_compiled(tiny_model_factory, monkey
         assert graphs > 8  # every variant compiled
     else:
         assert graphs <= 8  # the default limit stops compiling: what the raised limit prevents
+
+
+def test_compiling_turns_on_inductors_deterministic_mode(monkeypatch):
+    """Inductor times candidate block sizes of reduction kernels on a GPU and keeps the fastest, which changes the
+    summation order by process (three children on one H200 sampled different tokens from the same start and seeds);
+    gearlab's compile sites switch that timing off, unless TORCHINDUCTOR_DETERMINISTIC=0 asks to keep it."""
+    import torch._inductor.config as inductor
+
+    from gearlab.parallel.compiling import compiled_function, deterministic_inductor
+
+    monkeypatch.setattr(inductor, "deterministic", False)
+    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", "0")
+    deterministic_inductor()
+    assert inductor.deterministic is False
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC")
+    compiled_function(torch.nn.functional.silu)
+    assert inductor.deterministic is True
