@@ -40,34 +40,33 @@ def worker(out: str, rows: int, new: int) -> None:
     from gearlab.rollout.fast import FastDecoder
     from gearlab.rollout.hf import HFRolloutEngine
 
-    d = bench.build_model_dir(Path(os.environ["MODEL_DIR"]))
+    d = Path(os.environ["MODEL_DIR"])  # built once by the parent
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(d)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(dev).eval()
     task = bench.bench_task()
     ids, mask = HFRolloutEngine(tok, task, batch_size=rows).encode_prompts(task.problems("train", rows))
     gen = FastDecoder(tok, batch_size=rows, compile=True)
     sp = SamplingParams(max_new_tokens=new)
     digests, secs = [], []
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(2):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         resp, rmask, _ = gen.sample(model, ids, mask, sp, seed=0)
-        torch.cuda.synchronize()
+        sync()
         secs.append(time.perf_counter() - t)
         digests.append(hashlib.sha256((resp * rmask).cpu().numpy().tobytes()).hexdigest()[:16])
-    import torch._inductor.config as inductor
-
     Path(out).write_text(json.dumps({
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "digests": digests,
-        "ms_per_step_second_call": round(1000 * secs[1] / gen.stats()["fast/steps"], 3),
-        "inductor_deterministic": bool(getattr(inductor, "deterministic", False))}))
+        "ms_per_step_second_call": round(1000 * secs[1] / gen.stats()["fast/steps"], 3)}))
 
 
 def run_mode(mode: str, n_gpu: int, per_gpu: int, rows: int, new: int, work: Path) -> dict:
     procs = []
-    for i in range(n_gpu * per_gpu):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % n_gpu), MODEL_DIR=str(work / "model"),
+    for i in range(max(1, n_gpu) * per_gpu):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % max(1, n_gpu)), MODEL_DIR=str(work / "model"),
                    TORCHINDUCTOR_CACHE_DIR=str(work / f"inductor_{mode}_{i}"))
         env.pop("TORCHINDUCTOR_DETERMINISTIC", None)
         if mode == "timed":
@@ -97,14 +96,14 @@ def main() -> None:
         return worker(a.worker, a.rows, a.new)
     import torch
 
-    n_gpu = torch.cuda.device_count()
+    n_gpu = torch.cuda.device_count()  # 0: a CPU smoke run (BENCH_SMOKE=1: the tiny model), one process slot
     work = Path(tempfile.mkdtemp(prefix="gearlab_concurrent_"))
     sys.path.insert(0, str(ROOT / "experiments" / "bench"))
     import trl_vs_gearlab as bench
 
     bench.build_model_dir(work / "model")  # once, before the workers read it
-    res = {"card": torch.cuda.get_device_name(0), "gpus": n_gpu, "per_gpu": a.per_gpu, "rows": a.rows,
-           "new_tokens": a.new, "torch": torch.__version__}
+    res = {"card": torch.cuda.get_device_name(0) if n_gpu else "cpu", "gpus": n_gpu, "per_gpu": a.per_gpu,
+           "rows": a.rows, "new_tokens": a.new, "torch": torch.__version__}
     for mode in a.modes.split(","):
         t = time.time()
         res[mode] = run_mode(mode, n_gpu, a.per_gpu, a.rows, a.new, work)

@@ -43,15 +43,17 @@ to eager."""
     setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
 
 
-def deterministic_inductor() -> None:
-    """Make Inductor's kernel choices a function of the code and the device, not of timings. By default it times
-    several block sizes of each reduction kernel (RMSNorm, softmax, logsumexp) at its first launch and keeps the
-    fastest; they sum in different orders, so two processes on one card (a comparison's children, three per card)
-    picked differently and sampled different tokens from the same weights and seeds. Inductor's deterministic mode
-    takes its heuristic's choice instead. ``TORCHINDUCTOR_DETERMINISTIC=0`` in the environment leaves it off."""
-    cfg = torch._inductor.config
-    if hasattr(cfg, "deterministic") and os.environ.get("TORCHINDUCTOR_DETERMINISTIC") != "0":
-        cfg.deterministic = True
+def deterministic_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """``torch.compile(fn, **kwargs)`` with Inductor's deterministic mode for its compilations. By default Inductor
+    times several block sizes of each reduction kernel (RMSNorm, softmax, logsumexp) at its first launch and keeps the
+    fastest; they sum in different orders, so processes sharing a card (a comparison's children, three per card)
+    picked differently and sampled different tokens from the same weights and seeds. The deterministic mode takes
+    its heuristic's choice instead. It is passed as a compile option, not set globally: Dynamo resets the global
+    ``torch._inductor.config.deterministic`` to ``torch.are_deterministic_algorithms_enabled()`` after every frame
+    it compiles. ``TORCHINDUCTOR_DETERMINISTIC=0`` in the environment leaves the timing on."""
+    if hasattr(torch._inductor.config, "deterministic") and os.environ.get("TORCHINDUCTOR_DETERMINISTIC") != "0":
+        kwargs["options"] = {**kwargs.get("options", {}), "deterministic": True}
+    return torch.compile(fn, **kwargs)
 
 
 def _dispatching_forward(eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,13 +73,12 @@ def compile_decoder_layers(model: nn.Module) -> int:
     model (a copy would share the original's compiled bound methods).
     """
     raise_recompile_limit()
-    deterministic_inductor()
     n = 0
     for layer in decoder_layers(model):
         if getattr(layer.forward, "__gearlab_compiled__", False):
             continue
         eager = layer.forward  # the bound method of the class
-        layer.forward = _dispatching_forward(eager, torch.compile(eager, dynamic=None))
+        layer.forward = _dispatching_forward(eager, deterministic_compile(eager, dynamic=None))
         n += 1
     return n
 
@@ -91,8 +92,7 @@ def compiled_function(fn: Callable[..., Any], enabled: bool = True) -> Callable[
         return fn
     if fn not in _FUNCTIONS:
         raise_recompile_limit()
-        deterministic_inductor()
-        _FUNCTIONS[fn] = torch.compile(fn, dynamic=None)
+        _FUNCTIONS[fn] = deterministic_compile(fn, dynamic=None)
     return _FUNCTIONS[fn]
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention, noop_mask
 
-from gearlab.parallel.compiling import deterministic_inductor
+from gearlab.parallel.compiling import deterministic_compile
 
 ATTENTION = ("sdpa", "flex")  # rollout.fast.attention
 _COMPILED: list[Callable[..., Tensor]] = []  # torch.compile(_flex_step), made at the first use
@@ -69,8 +69,7 @@ def _compiled_step() -> Callable[..., Tensor]:
         from gearlab.parallel.compiling import raise_recompile_limit
 
         raise_recompile_limit()  # (two graphs per batch size: over Dynamo's default of 8 at 5 batch sizes)
-        deterministic_inductor()
-        compiled = torch.compile(_flex_step, fullgraph=True, dynamic=True)
+        compiled = deterministic_compile(_flex_step, fullgraph=True, dynamic=True)
         # the scale stays a constant of the kernel: under dynamic=True Dynamo would make a float argument a tensor input
         _COMPILED.append(torch._dynamo.config.patch(specialize_float=True)(compiled))
     return _COMPILED[0]

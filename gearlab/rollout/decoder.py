@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gearlab.parallel.compiling import deterministic_inductor
+from gearlab.parallel.compiling import deterministic_compile
 from gearlab.rollout.attention import ATTENTION, FlexDecode
 
 ARCH_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -224,11 +224,10 @@ class Decoder:
             # size, when another comes: multi-turn rollouts and evaluation vary it), and the elementwise work
             # between the matmuls (RMSNorm's fp32 round trip, rotary, SiLU·mul, residual adds) fuses; attention and
             # the cache writes stay eager, one kernel each
-            deterministic_inductor()
-            self._attn_in = torch.compile(attn_inputs)
-            self._attn_out = torch.compile(attn_output_and_mlp)
-            self._attn_in_f = torch.compile(attn_inputs_fused)
-            self._attn_out_f = torch.compile(attn_output_and_mlp_fused)
+            self._attn_in = deterministic_compile(attn_inputs)
+            self._attn_out = deterministic_compile(attn_output_and_mlp)
+            self._attn_in_f = deterministic_compile(attn_inputs_fused)
+            self._attn_out_f = deterministic_compile(attn_output_and_mlp_fused)
 
     def refresh_fused(self) -> None:
         """With ``fused``: (re)write the fused q/k/v and gate/up copies from the model's weights, in place (made at

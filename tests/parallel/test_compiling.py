@@ -164,18 +164,32 @@ def test_every_forward_variant_of_a_run_gets_compiled(tiny_model_factory, monkey
         assert graphs <= 8  # the default limit stops compiling: what the raised limit prevents
 
 
-def test_compiling_turns_on_inductors_deterministic_mode(monkeypatch):
+def test_compiled_code_is_generated_in_inductors_deterministic_mode(monkeypatch):
     """Inductor times candidate block sizes of reduction kernels on a GPU and keeps the fastest, which changes the
-    summation order by process (three children on one H200 sampled different tokens from the same start and seeds);
-    gearlab's compile sites switch that timing off, unless TORCHINDUCTOR_DETERMINISTIC=0 asks to keep it."""
+    summation order by process (three children on one H200 sampled different tokens from the same start and seeds).
+    gearlab's compile sites generate their code in Inductor's deterministic mode — as a compile option, since Dynamo
+    resets the global flag after each frame — unless TORCHINDUCTOR_DETERMINISTIC=0 asks to keep the timing."""
     import torch._inductor.config as inductor
+    import torch._inductor.graph as graph
 
-    from gearlab.parallel.compiling import compiled_function, deterministic_inductor
+    from gearlab.parallel.compiling import deterministic_compile
 
-    monkeypatch.setattr(inductor, "deterministic", False)
-    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", "0")
-    deterministic_inductor()
-    assert inductor.deterministic is False
-    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC")
-    compiled_function(torch.nn.functional.silu)
-    assert inductor.deterministic is True
+    seen = []
+    codegen = graph.GraphLowering.codegen
+
+    def spy(self, *a, **k):  # the flag as Inductor's code generation reads it
+        seen.append(inductor.deterministic)
+        return codegen(self, *a, **k)
+
+    monkeypatch.setattr(graph.GraphLowering, "codegen", spy)
+    for env, want in ((None, True), ("0", False)):
+        if env is None:
+            monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", env)
+        torch._dynamo.reset()
+        f = deterministic_compile(lambda x: torch.softmax(x * 2, -1).sum(-1))
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(f(x), torch.softmax(x * 2, -1).sum(-1))
+        assert seen and seen[-1] is want, (env, seen)
+    assert inductor.deterministic is False  # the global flag is left as it was
