@@ -160,7 +160,7 @@ def after_training(cfg: Config, result: Any) -> dict[str, Any] | None:
 
     from gearlab.models.loading import load_for_evaluation
 
-    # on the run's GPU when it had one (a comparison's children scored on the CPU took ~8 min each beside the card)
+    # on the run's GPU when it had one (a comparison's children scored on the CPU took ~15 min each beside the card)
     sub = OmegaConf.merge(cfg, {"model": {"name_or_path": str(final)}, "eval": {"checkpoint": None}})
     model, tok, _ = load_for_evaluation(sub)
     return credit_eval(sub, model=model, tokenizer=tok, model_name=f"{cfg.trainer.run_name or final.parent.name}/final",

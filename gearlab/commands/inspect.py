@@ -80,7 +80,7 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
     provider = SignalProvider(model, temperature=temperature, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
                               tokenizer=tokenizer)
     cache: dict[tuple[str, Signal, tuple], torch.Tensor] = {}
-    out: dict[str, Any] = {"seq_adv": seq_adv, "credit": {}, "signals": {}, "segments": {}, "metrics": {}}
+    out: dict[str, Any] = {"seq_adv": seq_adv.cpu(), "credit": {}, "signals": {}, "segments": {}, "metrics": {}}
     for name in names:
         a = build_method(name)
         a.setup(seed=seed, total_steps=1, task=task)
@@ -114,7 +114,6 @@ def run_assigners(rb: RolloutBatch, names: list[str], *, model, tokenizer, engin
     for (ctx, s, _), v in cache.items():
         if s in TRACE_SIGNALS:
             out["signals"][TRACE_SIGNALS[s]] = v.cpu()
-    out["seq_adv"] = seq_adv.cpu()
     return out
 
 

@@ -127,7 +127,7 @@ def load_policy(cfg: Config, *, device: str | None = None) -> tuple[torch.nn.Mod
             log.warning("no warm-started model at %s: running `gearlab warmstart` first", d)
             run_warmstart(cfg)
         path = str(d)
-    dtype = policy_dtype(cfg, cuda=torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda"))
+    dtype = policy_dtype(cfg, cuda=inference_device(cfg).type == "cuda")
     if not ref.startswith("embedded:"):
         check_model_folder(ref)
     try:

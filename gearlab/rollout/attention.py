@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention, noop_mask
 
-from gearlab.parallel.compiling import deterministic_compile
+from gearlab.parallel.compiling import deterministic_compile, raise_recompile_limit
 
 ATTENTION = ("sdpa", "flex")  # rollout.fast.attention
 _COMPILED: list[Callable[..., Tensor]] = []  # torch.compile(_flex_step), made at the first use
@@ -66,8 +66,6 @@ def _flex_step(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, block_mask: Blo
 
 def _compiled_step() -> Callable[..., Tensor]:
     if not _COMPILED:
-        from gearlab.parallel.compiling import raise_recompile_limit
-
         raise_recompile_limit()  # (two graphs per batch size: over Dynamo's default of 8 at 5 batch sizes)
         compiled = deterministic_compile(_flex_step, fullgraph=True, dynamic=True)
         # the scale stays a constant of the kernel: under dynamic=True Dynamo would make a float argument a tensor input
