@@ -182,15 +182,19 @@ def test_compiled_code_is_generated_in_inductors_deterministic_mode(monkeypatch)
         return codegen(self, *a, **k)
 
     monkeypatch.setattr(graph.GraphLowering, "codegen", spy)
-    monkeypatch.setattr(inductor, "force_disable_caches", True)  # a cached graph (an earlier run) skips codegen
-    for env, want in ((None, True), ("0", False)):
-        if env is None:
-            monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
-        else:
-            monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", env)
-        torch._dynamo.reset()
-        f = deterministic_compile(lambda x: torch.softmax(x * 2, -1).sum(-1))
-        x = torch.randn(4, 8)
-        torch.testing.assert_close(f(x), torch.softmax(x * 2, -1).sum(-1))
-        assert seen and seen[-1] is want, (env, seen)
+    # A cached graph (an earlier run) skips codegen, so the caches are off here. Through Inductor's own patch, not
+    # monkeypatch: pytest >= 9 finds no entry in the config module's __dict__ and undoes by deleting, which hides the
+    # key for every later compilation in the process ("force_disable_caches does not exist").
+    with inductor.patch(force_disable_caches=True):
+        for env, want in ((None, True), ("0", False)):
+            if env is None:
+                monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+            else:
+                monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", env)
+            torch._dynamo.reset()
+            f = deterministic_compile(lambda x: torch.softmax(x * 2, -1).sum(-1))
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(f(x), torch.softmax(x * 2, -1).sum(-1))
+            assert seen and seen[-1] is want, (env, seen)
     assert inductor.deterministic is False  # the global flag is left as it was
+    assert inductor.force_disable_caches is False  # and the caches' switch readable and restored
