@@ -24,10 +24,20 @@ def _run(tmp_path: Path, devices: int, strategy: str, agg: str, mbs: int, packed
     return torch.load(out)
 
 
+_REFERENCES: dict[str, dict] = {}
+
+
+def _reference(tmp_path: Path, agg: str) -> dict:
+    """The whole batch in one micro-batch on one process, run once per aggregation for every test of the module."""
+    if agg not in _REFERENCES:
+        _REFERENCES[agg] = _run(tmp_path, 1, "auto", agg, 8)
+    return _REFERENCES[agg]
+
+
 @pytest.mark.parametrize("agg,strategies", [("token-mean", ["fsdp2", "ddp"]), ("seq-mean-token-mean", ["fsdp2"]),
                                             ("seq-mean-token-sum-norm", ["fsdp2"])])
 def test_two_processes_match_one(tmp_path, agg, strategies):
-    ref = _run(tmp_path, 1, "auto", agg, 8)  # the whole batch in one micro-batch on one process
+    ref = _reference(tmp_path, agg)
     for strategy in strategies:
         got = _run(tmp_path, 2, strategy, agg, 3)  # 4 rows per rank in micro-batches of 3 and 1
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), strategy
@@ -40,7 +50,7 @@ def test_two_processes_match_one(tmp_path, agg, strategies):
 def test_packed_two_processes_match_padded_one(tmp_path):
     """Packed (padding-free) micro-batches on 2 FSDP2 ranks, split by a 20-token budget (3 micro-batches on
     rank 0, 2 on rank 1, padded with an empty one) ≡ the padded batch in one micro-batch on one process."""
-    ref = _run(tmp_path, 1, "auto", "token-mean", 8)
+    ref = _reference(tmp_path, "token-mean")
     got = _run(tmp_path, 2, "fsdp2", "token-mean", 8, packed=True, mb_tokens=20)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     for k, g in ref["grads"].items():
@@ -50,7 +60,7 @@ def test_packed_two_processes_match_padded_one(tmp_path):
 def test_compiled_two_processes_match_eager_one(tmp_path):
     """trainer.compile=true under FSDP2 on 2 ranks (compiled layers inside fully_shard's hooks, compiled head
     chunks) ≡ the eager model on one process."""
-    ref = _run(tmp_path, 1, "auto", "token-mean", 8)
+    ref = _reference(tmp_path, "token-mean")
     got = _run(tmp_path, 2, "fsdp2", "token-mean", 3, compiled=True)
     assert got["dynamo_frames"] > 0 and ref["dynamo_frames"] == 0  # the compiled path ran (and only there)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)

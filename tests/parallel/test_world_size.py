@@ -45,15 +45,29 @@ LOGGED = ("train/reward", "train/accuracy", "train/frac_zero_std", "train/respon
           "mc/continuations", "mc/tokens")  # (mc/: vineppo's continuations, summed over ranks)
 
 
-def _train(out, devices: int, extra: list[str], prompts: int = 8) -> None:
+def _train(out, devices: int, extra: list[str], prompts: int = 8) -> subprocess.Popen:
+    """Start `gearlab train` on ``devices`` CPU processes of one intra-op thread each (not waited for)."""
     args = ["trainer.accelerator=cpu", f"trainer.devices={devices}", "trainer.threads=1",
             f"rollout.prompts_per_step={prompts}",
             "rollout.group_size=4", "trainer.max_steps=2", "eval.num_problems=0", "trainer.progress_bar=false",
             "optim.lr=1e-3", f"trainer.output_dir={out}", "trainer.run_name=ws", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "gearlab.cli", "train", *args], capture_output=True, text=True,
-                       timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out.mkdir(parents=True, exist_ok=True)
+    err = open(out / "stderr.txt", "w")  # a file, not a pipe: an unread pipe would stall a run that fills it
+    proc = subprocess.Popen([sys.executable, "-m", "gearlab.cli", "train", *args], stdout=subprocess.DEVNULL,
+                            stderr=err, env=env)
+    err.close()
+    proc.log = out / "stderr.txt"
+    return proc
+
+
+def _finished(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, proc.log.read_text()[-3000:]
 
 
 def _weights(folder):
@@ -83,8 +97,10 @@ def test_three_processes_give_the_run_of_one(tmp_path):
 
 def _compare(tmp_path, name: str, n: int, prompts: int = 8) -> None:
     one, two = tmp_path / "one", tmp_path / "n"
-    _train(one, 1, SETTINGS[name], prompts)
-    _train(two, n, SETTINGS[name], prompts)
+    # side by side: the 1-process run uses one core, and each run's digits depend only on its own thread count
+    runs = [_train(one, 1, SETTINGS[name], prompts), _train(two, n, SETTINGS[name], prompts)]
+    for proc in runs:
+        _finished(proc)
     start = _weights(one / "embedded" / "tiny-arith")
     w1, w2 = _weights(one / "ws" / "final"), _weights(two / "ws" / "final")
     upd = torch.cat([(w1[k] - start[k]).flatten() for k in w1])
