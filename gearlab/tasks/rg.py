@@ -18,8 +18,10 @@ reasoning-gym (PyPI ``reasoning-gym``) generates problems offline, each dataset 
 * **Reward.** The dataset's own ``score_answer(answer, entry)``, a float in [0, 1] (some datasets give partial
   credit; an answer scores as correct at 1). No answer tag: 0.
 * **Demonstrations.** Where an entry carries a worked solution (``metadata["answer_cot"]``, e.g. ``gsm_symbolic``),
-  ``Problem.solution`` is that solution followed by the answer line; otherwise just the answer line. The warm start
-  imitates them.
+  ``Problem.solution`` is that solution followed by the answer line. The arithmetic datasets (``chain_sum``,
+  ``basic_arithmetic``, ``products``) ship none; their solution is computed from the expression, one
+  ``a op b = c`` line per operation (``gearlab.tasks.rg_steps``). Elsewhere it is just the answer line. The warm
+  start imitates them.
 * **Located errors** (``gearlab credit-eval``): ``gsm_symbolic`` and the arithmetic datasets listed in
   ``gearlab.tasks.rg_errors.SUPPORTED``; None elsewhere.
 """
@@ -32,6 +34,7 @@ from typing import Any, Mapping
 from gearlab.errors import ConfigError
 from gearlab.tasks.base import Problem, Task
 from gearlab.tasks.registry import register_task
+from gearlab.tasks.rg_steps import worked_solution
 
 __all__ = ["ReasoningGymTask", "answer_line", "extract_tagged_answer"]
 
@@ -177,6 +180,8 @@ class ReasoningGymTask(Task):
     def _problem(name: str, entry: dict[str, Any]) -> Problem:
         answer = str(entry["answer"])
         cot = (entry.get("metadata") or {}).get("answer_cot")
+        if not cot:  # the arithmetic datasets ship none: gearlab writes one line per operation
+            cot = "\n".join(worked_solution(name, entry) or [])
         solution = f"{cot.rstrip()}\n{answer_line(answer)}" if cot else answer_line(answer)
         return Problem(prompt=str(entry["question"]), answer=answer, solution=solution,
                        meta={"dataset": name, "entry": entry})

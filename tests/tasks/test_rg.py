@@ -38,7 +38,9 @@ def test_the_reward_is_the_datasets_own_score_of_the_tagged_answer():
     for odd in ("", "<answer>", "<answer></answer>", "</answer><answer>", "\x00" * 5):
         assert 0.0 <= task.reward(p, odd) <= 0.01
     chain = get_task("rg", dataset="chain_sum").problems("train", 1, seed=0)[0]
-    assert chain.solution == f"<answer>{chain.answer}</answer>"  # no worked solution in this dataset: the answer
+    assert chain.solution.endswith(f" = {chain.answer}\n<answer>{chain.answer}</answer>")  # computed, line by line
+    legs = get_task("rg", dataset="leg_counting").problems("train", 1, seed=0)[0]
+    assert legs.solution == f"<answer>{legs.answer}</answer>"  # no worked solution in this dataset: the answer
 
 
 def test_the_last_closed_answer_tag_is_the_answer():
