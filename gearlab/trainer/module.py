@@ -169,54 +169,23 @@ class GRPOModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         it = batch["iteration"]
-        cfg, alg = self.cfg, self.cfg.algorithm
-        G = cfg.rollout.group_size
         rank = self.trainer.global_rank if self._trainer is not None else 0
         # row i of this rank is global row rank·B + i: its sampling seed (every engine draws row j of a call with
         # seed + j) and its group id, hence the whole run, do not depend on how many ranks share the batch
-        first_row = rank * len(batch["problems"]) * G
+        first_row = rank * len(batch["problems"]) * self.cfg.rollout.group_size
         t0 = time.perf_counter()
-        # HF generate on a sharded policy: gather the weights once, not once per token (another engine holds its own
-        # copy)
-        with gathered_for_generation(self.policy) if self.generator is None else contextlib.nullcontext():
-            rb = self.engine.generate(self.policy, batch["problems"], group_size=G, sampling=self.sampling,
-                                      seed=step_seed(cfg.trainer.seed, it) + first_row,
-                                      with_teacher=self.assigner.teacher_context if needs_teacher(
-                                          self.assigner
-                                      ) else False,
-                                      group_offset=rank * len(batch["problems"]))
-        if self.generator is not None:
-            self.generator.release()  # e.g. vLLM sleeps: its GPU memory goes back to the update
-        rb = rb.to(self.device)
-        # from the rewards of the GLOBAL batch (every rank computes all of them and keeps its own rows): a group's
-        # statistics, std_scope=batch's std and every logged reward statistic are those of all B rows
-        all_rewards, all_groups = gather_rows(rb.rewards), gather_rows(rb.group_ids)
-        all_seq_adv = grpo.group_advantages(all_rewards, all_groups, scale_by_std=alg.scale_by_std,
-                                            eps=alg.adv_eps, leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
+        rb, all_rewards, all_groups, all_seq_adv = self._rollout(batch["problems"], it, rank, first_row)
         seq_adv = all_seq_adv[first_row : first_row + rb.batch_size]
 
         t1 = time.perf_counter()
+        alg = self.cfg.algorithm
         on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
         in_forward = self._entropy_in_forward(on_policy)
-        ppass, signals = None, {}
         resampler = None if in_forward else self._resampler(rb, batch["problems"])
-        if not in_forward:
-            ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy,
-                                                  teacher=self.teacher.model,
-                                                  options={"seed": step_seed(cfg.trainer.seed, it),
-                                                           "first_row": first_row, **self.assigner.signal_options()},
-                                                  resampler=resampler)
-        if ppass is not None:
-            rb = rb.with_(old_logprobs=ppass.logprobs)
-        if self.ref_signals is not None:
-            rb = rb.with_(ref_logprobs=self.ref_signals.compute(rb, frozenset())[0].logprobs)
-
-        credit: CreditOutput | None = None
-        adv, loss_mask = None, rb.response_mask
-        if not in_forward:  # (else the credit is assigned micro-batch by micro-batch inside the update)
-            credit = self.assigner.assign(rb, seq_adv, signals)
-            adv = self._checked(credit.token_advantages, rb)
-            loss_mask = rb.response_mask if credit.loss_mask is None else (credit.loss_mask.bool() & rb.response_mask)
+        rb, credit = self._signals_and_credit(rb, seq_adv, it, first_row, on_policy, in_forward, resampler)
+        adv = None if credit is None else credit.token_advantages
+        loss_mask = rb.response_mask if credit is None or credit.loss_mask is None else (
+            credit.loss_mask.bool() & rb.response_mask)
 
         t2 = time.perf_counter()
         with differentiable_attention():  # cuDNN's attention backward is wrong on some masked inputs (core/sdpa.py)
@@ -239,10 +208,64 @@ class GRPOModule(L.LightningModule):
             keys = sorted(resampler.cost)
             total = all_reduce_sum(torch.tensor([float(resampler.cost[k]) for k in keys], device=self.device)).cpu()
             upd.update({f"mc/{k}": float(v) for k, v in zip(keys, total)})
-        if cfg.trainer.compile:  # graphs compiled so far by this process: still growing late in a run = recompiling
+        if self.cfg.trainer.compile:  # graphs compiled so far by this process: still growing late = recompiling
             from torch._dynamo.utils import counters
 
             upd["compile/graphs_total"] = float(counters["stats"]["unique_graphs"])
+        self._end_iteration(it)
+        upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
+        self._log_iteration(rb, all_rewards, all_groups, all_seq_adv, credit.metrics, upd)
+
+    def _rollout(self, problems: list, it: int, rank: int,
+                 first_row: int) -> tuple[RolloutBatch, Tensor, Tensor, Tensor]:
+        """This rank's rollout of ``problems`` (G responses each) on the module's device, and the rewards [N], group
+        ids [N] and sequence advantages [N] of the GLOBAL batch (N rows over all ranks): every rank computes all of
+        them, so a group's statistics, std_scope=batch's std and every logged reward statistic are those of all
+        rows, whatever the world size."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        # HF generate on a sharded policy: gather the weights once, not once per token (another engine holds its own
+        # copy)
+        with gathered_for_generation(self.policy) if self.generator is None else contextlib.nullcontext():
+            rb = self.engine.generate(self.policy, problems, group_size=cfg.rollout.group_size,
+                                      sampling=self.sampling, seed=step_seed(cfg.trainer.seed, it) + first_row,
+                                      with_teacher=self.assigner.teacher_context if needs_teacher(
+                                          self.assigner
+                                      ) else False,
+                                      group_offset=rank * len(problems))
+        if self.generator is not None:
+            self.generator.release()  # e.g. vLLM sleeps: its GPU memory goes back to the update
+        rb = rb.to(self.device)
+        all_rewards, all_groups = gather_rows(rb.rewards), gather_rows(rb.group_ids)
+        all_seq_adv = grpo.group_advantages(all_rewards, all_groups, scale_by_std=alg.scale_by_std,
+                                            eps=alg.adv_eps, leave_one_out=alg.leave_one_out, std_scope=alg.std_scope)
+        return rb, all_rewards, all_groups, all_seq_adv
+
+    def _signals_and_credit(self, rb: RolloutBatch, seq_adv: Tensor, it: int, first_row: int, on_policy: bool,
+                            in_forward: bool, resampler: Any) -> tuple[RolloutBatch, CreditOutput | None]:
+        """The signals the assigner declared and its token advantages, before the update: the batch (with the old
+        and reference log-probs where the update needs them) and the checked credit. ``in_forward``: the credit is
+        assigned inside the update instead (None returned)."""
+        ppass, signals = None, {}
+        if not in_forward:
+            ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy,
+                                                  teacher=self.teacher.model,
+                                                  options={"seed": step_seed(self.cfg.trainer.seed, it),
+                                                           "first_row": first_row, **self.assigner.signal_options()},
+                                                  resampler=resampler)
+        if ppass is not None:
+            rb = rb.with_(old_logprobs=ppass.logprobs)
+        if self.ref_signals is not None:
+            rb = rb.with_(ref_logprobs=self.ref_signals.compute(rb, frozenset())[0].logprobs)
+        if in_forward:
+            return rb, None
+        credit = self.assigner.assign(rb, seq_adv, signals)
+        credit.token_advantages = self._checked(credit.token_advantages, rb)
+        return rb, credit
+
+    def _end_iteration(self, it: int) -> None:
+        """Count the iteration, ask Lightning to stop after it when a stop was requested on any rank, and tell the
+        assigner and the teacher it ended."""
+        cfg = self.cfg
         self.iterations_done = it + 1
         self.session_iterations = getattr(self, "session_iterations", 0) + 1
         # a stop request (trainer.stop_after, trainer.deadline, or Ctrl-C / SIGTERM caught by gearlab.trainer.train)
@@ -255,8 +278,6 @@ class GRPOModule(L.LightningModule):
             self.trainer.should_stop = True  # after this iteration's checkpoint (IterationCheckpoint saves it)
         self.assigner.on_step_end(self.iterations_done)
         self.teacher.after_iteration(self.iterations_done)
-        upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
-        self._log_iteration(rb, all_rewards, all_groups, all_seq_adv, credit.metrics, upd)
 
     def _entropy_in_forward(self, on_policy: bool) -> bool:
         """Whether this iteration's credit takes the policy's entropy from the update's forward (one pass fewer):
@@ -350,26 +371,31 @@ class GRPOModule(L.LightningModule):
                         w = 1.0 if k in _LOSS_TERMS else weight  # loss terms: already shares of the global value
                         acc = sums.setdefault(k, torch.zeros(2, dtype=torch.float64))
                         acc += torch.tensor([0.0 if empty else float(v) * w, w], dtype=torch.float64)
-                if bool(finite) and not _grads_finite(self.policy):
-                    finite.zero_()
-                if self._global_sum(1.0 - finite) > 0:  # every rank skips together
-                    opt.zero_grad(set_to_none=True)
-                    self._on_nonfinite()
-                    continue
-                self.nonfinite_streak = 0
-                if self.cfg.optim.grad_clip > 0:
-                    if is_fsdp1(self.policy):  # the norm over all shards (FSDP1's flat parameters are local)
-                        gn = self.policy.clip_grad_norm_(self.cfg.optim.grad_clip)
-                    else:
-                        gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
-                    grad_norms.append(float(gn))
-                opt.step()
-                sched.step()
+                self._step_if_finite(opt, sched, finite, grad_norms)
         if seq_adv is not None:
             self._forward_credit = CreditOutput(
                 token_advantages=adv, metrics={k: sum(v) / len(v) for k, v in credit_logs.items()}
             )
         return self._update_metrics(sums, grad_norms, alg.ppo_epochs * alg.mini_batches, world)
+
+    def _step_if_finite(self, opt: Any, sched: Any, finite: Tensor, grad_norms: list[float]) -> None:
+        """One optimizer step on the accumulated gradients, clipped (their norm appended to ``grad_norms``), unless
+        the loss (``finite`` 0) or a gradient is non-finite on any rank: then every rank skips it together."""
+        if bool(finite) and not _grads_finite(self.policy):
+            finite.zero_()
+        if self._global_sum(1.0 - finite) > 0:  # every rank skips together
+            opt.zero_grad(set_to_none=True)
+            self._on_nonfinite()
+            return
+        self.nonfinite_streak = 0
+        if self.cfg.optim.grad_clip > 0:
+            if is_fsdp1(self.policy):  # the norm over all shards (FSDP1's flat parameters are local)
+                gn = self.policy.clip_grad_norm_(self.cfg.optim.grad_clip)
+            else:
+                gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
+            grad_norms.append(float(gn))
+        opt.step()
+        sched.step()
 
     def _update_metrics(self, sums: dict[str, Tensor], grad_norms: list[float], steps: int,
                         world: int) -> dict[str, float]:
