@@ -15,19 +15,21 @@ The solution is returned only when its last value equals the entry's answer, so 
 from __future__ import annotations
 
 import ast
+import operator
 from fractions import Fraction
+
+from gearlab.tasks.rg_errors import ARITH_DATASETS, _arith_correct
 
 __all__ = ["worked_solution"]
 
-_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+# the symbol each operation is written with and its value; "/" is _divide
+_OPS = {ast.Add: ("+", operator.add), ast.Sub: ("-", operator.sub), ast.Mult: ("*", operator.mul)}
 
 
 def worked_solution(dataset: str, entry: dict) -> list[str] | None:
     """The lines ``"a op b = c"`` computing ``entry["metadata"]["expression"]`` step by step, or None when the
     dataset is not an integer-arithmetic one, the expression does not parse, a value is not an integer, or the
     result is not the entry's answer. An expression that is a bare number gives []."""
-    from gearlab.tasks.rg_errors import ARITH_DATASETS
-
     if dataset not in ARITH_DATASETS:
         return None
     expr = str((entry.get("metadata") or {}).get("expression") or "")
@@ -35,7 +37,8 @@ def worked_solution(dataset: str, entry: dict) -> list[str] | None:
         tree = ast.parse(expr, mode="eval").body
         lines: list[str] = []
         value = _walk(tree, lines, floor_div=dataset == "basic_arithmetic")
-        if value is None or str(value) != str(entry["answer"]).replace(",", "").strip():
+        # the dataset's own reading of an answer (the error checker's copy of its scorer)
+        if value is None or not _arith_correct(dataset, str(value), str(entry["answer"])):
             return None
         return lines
     except (SyntaxError, ValueError, ZeroDivisionError, KeyError, RecursionError):
@@ -49,24 +52,25 @@ def _walk(node: ast.AST, lines: list[str], floor_div: bool) -> int | None:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         inner = _walk(node.operand, lines, floor_div)
         return None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+    if isinstance(node, ast.BinOp) and (type(node.op) in _OPS or isinstance(node.op, ast.Div)):
         a, b = _walk(node.left, lines, floor_div), _walk(node.right, lines, floor_div)
         if a is None or b is None:
             return None
-        op = _OPS[type(node.op)]
-        if op == "+":
-            c = a + b
-        elif op == "-":
-            c = a - b
-        elif op == "*":
-            c = a * b
-        elif floor_div:
-            c = a // b
-        else:
-            q = Fraction(a, b)
-            if q.denominator != 1:
+        if isinstance(node.op, ast.Div):
+            symbol, c = "/", _divide(a, b, floor_div)
+            if c is None:
                 return None
-            c = int(q)
-        lines.append(f"{a} {op} {b} = {c}")
+        else:
+            symbol, fn = _OPS[type(node.op)]
+            c = fn(a, b)
+        lines.append(f"{a} {symbol} {b} = {c}")
         return c
     return None
+
+
+def _divide(a: int, b: int, floor: bool) -> int | None:
+    """a / b: floored with ``floor``, else only when exact (None otherwise); b = 0 raises ZeroDivisionError."""
+    if floor:
+        return a // b
+    q = Fraction(a, b)
+    return int(q) if q.denominator == 1 else None

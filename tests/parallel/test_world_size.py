@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -45,8 +46,9 @@ LOGGED = ("train/reward", "train/accuracy", "train/frac_zero_std", "train/respon
           "mc/continuations", "mc/tokens")  # (mc/: vineppo's continuations, summed over ranks)
 
 
-def _train(out, devices: int, extra: list[str], prompts: int = 8) -> subprocess.Popen:
-    """Start `gearlab train` on ``devices`` CPU processes of one intra-op thread each (not waited for)."""
+def _train(out, devices: int, extra: list[str], prompts: int = 8) -> tuple[subprocess.Popen, Path]:
+    """Start `gearlab train` on ``devices`` CPU processes of one intra-op thread each (not waited for); returns the
+    process and the file its stderr goes to."""
     args = ["trainer.accelerator=cpu", f"trainer.devices={devices}", "trainer.threads=1",
             f"rollout.prompts_per_step={prompts}",
             "rollout.group_size=4", "trainer.max_steps=2", "eval.num_problems=0", "trainer.progress_bar=false",
@@ -57,17 +59,16 @@ def _train(out, devices: int, extra: list[str], prompts: int = 8) -> subprocess.
     proc = subprocess.Popen([sys.executable, "-m", "gearlab.cli", "train", *args], stdout=subprocess.DEVNULL,
                             stderr=err, env=env)
     err.close()
-    proc.log = out / "stderr.txt"
-    return proc
+    return proc, out / "stderr.txt"
 
 
-def _finished(proc: subprocess.Popen) -> None:
+def _finished(proc: subprocess.Popen, log: Path) -> None:
     try:
         proc.wait(timeout=600)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    assert proc.returncode == 0, proc.log.read_text()[-3000:]
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 def _weights(folder):
@@ -99,8 +100,8 @@ def _compare(tmp_path, name: str, n: int, prompts: int = 8) -> None:
     one, two = tmp_path / "one", tmp_path / "n"
     # side by side: the 1-process run uses one core, and each run's digits depend only on its own thread count
     runs = [_train(one, 1, SETTINGS[name], prompts), _train(two, n, SETTINGS[name], prompts)]
-    for proc in runs:
-        _finished(proc)
+    for proc, log in runs:
+        _finished(proc, log)
     start = _weights(one / "embedded" / "tiny-arith")
     w1, w2 = _weights(one / "ws" / "final"), _weights(two / "ws" / "final")
     upd = torch.cat([(w1[k] - start[k]).flatten() for k in w1])
