@@ -83,10 +83,11 @@ class FastDecodeConfig:
     # every call (memory: those projections' parameters once more, in bf16 0.55 / 4.39 / 8.44 GiB at Qwen3 0.6B / 4B
     # / 8B)
     fused_projections: bool = False
-    # a decode step's attention: sdpa = PyTorch's scaled_dot_product_attention (no decode kernel: at long caches it
-    # does not split the keys across thread blocks) | flex = compiled flex_attention, on CUDA its split-K decode kernel
-    # (more thread blocks per row at small batches or long caches; two compiles per batch size; eager on the CPU);
-    # prefill stays sdpa. Speed not yet measured on a GPU
+    # a decode step's attention: sdpa = PyTorch's scaled_dot_product_attention without cuDNN's kernels (with them,
+    # processes on an H200 sampled different tokens from the same weights and seeds; no decode kernel: at long caches
+    # it does not split the keys across thread blocks) | sdpa_auto = SDPA's own choice (cuDNN on Hopper) | flex =
+    # compiled flex_attention, on CUDA its split-K decode kernel (more thread blocks per row at small batches or long
+    # caches; two compiles per batch size; eager on the CPU); prefill stays sdpa
     attention: str = "sdpa"
 
 
@@ -498,7 +499,7 @@ _CHOICES = {
     "rollout.engine": ("auto", "hf", "fast", "vllm"),
     "credit_eval.truth": ("located", "mc", "both"),
     "rollout.fast.cuda_graphs": ("auto", "on", "off"),
-    "rollout.fast.attention": ("sdpa", "flex"),
+    "rollout.fast.attention": ("sdpa", "sdpa_auto", "flex"),
     "rollout.fast.sharded_weights": ("gather", "replica"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
     "rollout.vllm.sleep": ("auto", "on", "off"),

@@ -2,16 +2,24 @@
 children per card; a paired design needs them to.)
 
     python experiments/gpu/concurrent_decode_check.py --out concurrent.json [--per-gpu 3] [--rows 128] [--new 256]
+        [--modes timed,cudnn,sdpa]
 
-For each mode, 3 processes per visible GPU start at once, each with an Inductor cache of its own, build the
-benchmark's 0.6B-shape bf16 model (random weights, the same in every process), and sample ``--rows`` rows of
-``--new`` tokens twice with the compiled fast decoder (seed 0, temperature 1): the first call compiles and captures,
-the second is timed. Modes:
-  timed          TORCHINDUCTOR_DETERMINISTIC=0: Inductor times candidate reduction kernels and keeps the fastest
-                 (the behaviour before gearlab turned its deterministic mode on)
-  deterministic  gearlab's default: Inductor's deterministic mode (no on-device timing of numerics-changing choices)
-The JSON gives each process's token digest and ms per decode step; a mode passes when every process (and both calls
-of each) gave the same digest.
+For each mode, ``--per-gpu`` processes per visible GPU start at once, each with an Inductor cache of its own, load
+the benchmark's 0.6B-shape bf16 model (seeded random weights, built once by the parent) and sample ``--rows`` rows of
+``--new`` tokens three times with the compiled fast decoder (seed 0, temperature 1): the first call compiles and
+captures, the second is timed. Modes:
+  timed   TORCHINDUCTOR_DETERMINISTIC=0 and rollout.fast.attention=sdpa_auto (Inductor times candidate reduction
+          kernels; SDPA picks its backend, cuDNN on Hopper): the behaviour before either fix
+  cudnn   Inductor's deterministic mode, attention=sdpa_auto (gearlab's default on 2026-12-01, before this check)
+  sdpa    Inductor's deterministic mode, attention=sdpa (no cuDNN attention): gearlab's default now
+Each process also runs one decode-shape attention (rows × 16 query heads over 8 K/V heads, 384 positions, a
+boolean mask) 20 times on fixed inputs with each backend alone and reports how many distinct outputs it gave.
+The JSON gives each process's token digests and ms per decode step; a mode passes when every process (and every
+call of each) gave the same digest.
+
+On an H200 (torch 2.11.0+cu130, 2026-12-01; 128 rows × 256 tokens) the first two modes, with 3 processes at once
+and with 1 process run twice, gave a different digest in every process and in every process's first and second
+call; 64 rows × 64 tokens repeated exactly in one process.
 """
 from __future__ import annotations
 
@@ -24,8 +32,39 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def attention_repeats(dev: Any, rows: int, n: int = 20) -> dict:
+    """Distinct outputs of ``n`` runs of one decode-shape attention on fixed inputs, per SDPA backend."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).to(dev, torch.bfloat16)
+               for shape in ((rows, 16, 1, 128), (rows, 8, 384, 128), (rows, 8, 384, 128)))
+    mask = torch.ones(rows, 1, 1, 384, dtype=torch.bool, device=dev)
+    mask[:, :, :, :40] = False  # left padding
+    mask[:, :, :, 300:] = False  # positions not filled yet
+    out = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("math", SDPBackend.MATH)):
+        digests = set()
+        try:
+            with sdpa_kernel(backend):
+                for _ in range(n):
+                    if name == "cudnn":
+                        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+                    else:  # the decoder's grouped view: the query heads of one K/V head as its query positions
+                        o = F.scaled_dot_product_attention(q.reshape(rows, 8, 2, 128), k, v, attn_mask=mask)
+                    digests.add(hashlib.sha256(o.float().cpu().numpy().tobytes()).hexdigest()[:16])
+            out[name] = len(digests)
+        except RuntimeError as e:  # a backend that refuses these inputs
+            out[name] = f"refused: {str(e).splitlines()[0][:120]}"
+    return out
 
 
 def worker(out: str, rows: int, new: int) -> None:
@@ -47,11 +86,11 @@ def worker(out: str, rows: int, new: int) -> None:
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(dev).eval()
     task = bench.bench_task()
     ids, mask = HFRolloutEngine(tok, task, batch_size=rows).encode_prompts(task.problems("train", rows))
-    gen = FastDecoder(tok, batch_size=rows, compile=True)
+    gen = FastDecoder(tok, batch_size=rows, compile=True, attention=os.environ["ATTENTION"])
     sp = SamplingParams(max_new_tokens=new)
     digests, secs = [], []
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for _ in range(2):
+    for _ in range(3):
         sync()
         t = time.perf_counter()
         resp, rmask, _ = gen.sample(model, ids, mask, sp, seed=0)
@@ -60,7 +99,8 @@ def worker(out: str, rows: int, new: int) -> None:
         digests.append(hashlib.sha256((resp * rmask).cpu().numpy().tobytes()).hexdigest()[:16])
     Path(out).write_text(json.dumps({
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "digests": digests,
-        "ms_per_step_second_call": round(1000 * secs[1] / gen.stats()["fast/steps"], 3)}))
+        "ms_per_step_second_call": round(1000 * secs[1] / gen.stats()["fast/steps"], 3),
+        "attention_distinct_of_20": attention_repeats(dev, rows)}))
 
 
 def run_mode(mode: str, n_gpu: int, per_gpu: int, rows: int, new: int, work: Path) -> dict:
@@ -71,6 +111,7 @@ def run_mode(mode: str, n_gpu: int, per_gpu: int, rows: int, new: int, work: Pat
         env.pop("TORCHINDUCTOR_DETERMINISTIC", None)
         if mode == "timed":
             env["TORCHINDUCTOR_DETERMINISTIC"] = "0"
+        env["ATTENTION"] = "sdpa" if mode == "sdpa" else "sdpa_auto"
         out = work / f"{mode}_{i}.json"
         procs.append((out, subprocess.Popen([sys.executable, __file__, "--worker", str(out), "--rows", str(rows),
                                              "--new", str(new)], env=env)))
@@ -90,7 +131,7 @@ def main() -> None:
     ap.add_argument("--per-gpu", type=int, default=3)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--modes", default="timed,deterministic")
+    ap.add_argument("--modes", default="cudnn,sdpa")
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker, a.rows, a.new)

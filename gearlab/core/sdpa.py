@@ -10,8 +10,17 @@ their own widths (any length, so 1 in 128 micro-batches hit the bad remainder) o
 
 ``differentiable_attention()`` leaves cuDNN out for the passes that backpropagate (the update, the signals that take
 input gradients): SDPA then picks flash (no mask) or memory-efficient attention, which are correct on those inputs.
-Forward-only passes (rollouts, teacher passes) keep every backend: the bug is in the backward alone, and the fast
-decoder's decode step is faster with cuDNN. On a CPU the flags are inert.
+Forward-only teacher passes keep every backend: the bug is in the backward alone.
+
+``reproducible_attention()`` leaves cuDNN out of the fast decoder's attention (``rollout.fast.attention=sdpa``, the
+default). A comparison pairs its runs by seed: children of one seed start from the same weights and draw the same
+per-row uniforms, so their first rollout must be the same tokens. On an H200 (torch 2.11, cuDNN 9.19) it was not:
+three children's first rollouts from one start had mean rewards 0.1878, 0.1897 and 0.1897 and their greedy
+evaluations differed, and ``experiments/gpu/concurrent_decode_check.py`` gave a different token digest in every
+process and in each process's second call (128 rows × 256 tokens; 64 rows × 64 tokens repeated exactly). Flash,
+memory-efficient and math attention are run-to-run deterministic in the forward (PyTorch's reproducibility notes);
+cuDNN's decode-shape forward is the suspect the flag removes (``experiments/gpu/decode_determinism.py`` is the check
+on a card). On a CPU the flags are inert.
 """
 from __future__ import annotations
 
@@ -28,5 +37,14 @@ BACKWARD_SAFE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 def differentiable_attention() -> Iterator[None]:
     """SDPA without the cuDNN backend for the duration (the flags are restored on exit). The backend is chosen in
     the forward and the backward follows it, so wrapping the forward suffices."""
+    with sdpa_kernel(BACKWARD_SAFE):
+        yield
+
+
+@contextmanager
+def reproducible_attention() -> Iterator[None]:
+    """SDPA without the cuDNN backend for the duration, for forward passes that must give the same bits in every
+    process (the fast decoder's rollouts: see the module docstring). The same backends as
+    ``differentiable_attention``; a separate name because the reason differs."""
     with sdpa_kernel(BACKWARD_SAFE):
         yield

@@ -20,6 +20,12 @@ class SamplingParams:
     top_k: int = 0
     greedy: bool = False
 
+    def __post_init__(self) -> None:
+        # logits / 0 are ±inf and their softmax NaN: the fast sampler's inverse CDF then returns an id past the
+        # vocabulary, and the next step's embedding lookup fails on the GPU far from the cause
+        if self.temperature <= 0 and not self.greedy:
+            raise ValueError(f"SamplingParams: temperature {self.temperature} needs greedy=True (argmax decoding)")
+
     @classmethod
     def of_rollout(cls, rollout: Any) -> "SamplingParams":
         """The sampling settings of a config's ``rollout`` section (what a training rollout draws with)."""

@@ -24,8 +24,9 @@ split-K decode kernel; ``gearlab.rollout.attention``); prefill stays SDPA.
 
 Simplifications: attention is PyTorch's ``scaled_dot_product_attention`` (or, for decode steps with
 ``attention="flex"``, ``flex_attention`` with the mask as a score modification) over the first ``L`` cache
-positions (a bucket length fixed per captured graph, ≥ the filled length) with a boolean mask — on CUDA at decode
-SDPA's own grouped-query path; the numerics equal HF's SDPA path to float tolerance (tested: greedy tokens equal
+positions (a bucket length fixed per captured graph, ≥ the filled length) with a boolean mask, without cuDNN's kernels
+(``attention="sdpa"``: on CUDA they gave different tokens in different processes; ``"sdpa_auto"`` keeps SDPA's own
+choice); the numerics equal HF's SDPA path to float tolerance (tested: greedy tokens equal
 ``generate``'s, log-probs equal the trainer's; the flex step's logits equal the SDPA step's).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gearlab.core.sdpa import reproducible_attention
 from gearlab.parallel.compiling import deterministic_compile
 from gearlab.rollout.attention import ATTENTION, FlexDecode
 
@@ -291,16 +293,26 @@ class Decoder:
         if S == 1 and self.flex is not None:
             return self.flex(q, kc[:, :, :length], vc[:, :, :length], mask[:, 0, 0].expand(B, length),
                              self.scaling)
-        if S == 1 and H != self.n_kv and not kc.is_cuda:
-            # one decode position: the query heads sharing a K/V head become that head's "query positions", so
-            # each K/V head is read once and no expanded copy exists (head h uses K/V head h // (H / H_kv), as HF).
-            # On CUDA, SDPA's own grouped-query path (cuDNN) is faster at decode: 54 vs 70 µs per layer on an
-            # H100 at batch 128 over 128-320 cached positions (experiments/bench/results/decode_attention_h100.json)
-            qg = q.reshape(B, self.n_kv, H // self.n_kv, self.head_dim)
-            return F.scaled_dot_product_attention(qg, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
-                                                  scale=self.scaling).reshape(B, H, 1, self.head_dim)
-        return F.scaled_dot_product_attention(q, kc[:, :, :length], vc[:, :, :length], attn_mask=mask,
-                                              scale=self.scaling, enable_gqa=H != self.n_kv)
+        k, v = kc[:, :, :length], vc[:, :, :length]
+        if self.attention == "sdpa_auto":  # SDPA's own backend choice (cuDNN's grouped-query path on Hopper)
+            if S == 1 and H != self.n_kv and not kc.is_cuda:
+                return self._grouped(q, k, v, mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=H != self.n_kv)
+        with reproducible_attention():  # no cuDNN: the same bits in every process (gearlab.core.sdpa)
+            if S == 1 and H != self.n_kv:
+                return self._grouped(q, k, v, mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=H != self.n_kv)
+
+    def _grouped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """One decode position with grouped K/V heads: the query heads sharing a K/V head become that head's "query
+        positions", so each K/V head is read once and no expanded copy exists (head h uses K/V head h // (H / H_kv),
+        as HF), and SDPA's memory-efficient kernel, which takes no grouped heads itself, can run it."""
+        B, H = q.shape[:2]
+        qg = q.reshape(B, self.n_kv, H // self.n_kv, self.head_dim)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scaling).reshape(
+            B, H, 1, self.head_dim)
 
     def prefill(self, ids: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
         """Left-padded prompts ids/mask [B, P] into cache positions [0, P); returns the last position's logits

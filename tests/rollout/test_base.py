@@ -29,3 +29,14 @@ def test_vllm_generator_implements_the_protocol():
     assert not missing, missing
     g = object.__new__(VLLMGenerator)  # no engine built: the structural check needs none
     assert isinstance(g, TokenGenerator)
+
+
+def test_sampling_at_temperature_zero_is_refused_unless_greedy():
+    """logits / 0 give a NaN softmax, from which the fast sampler would return an id past the vocabulary."""
+    import pytest
+
+    from gearlab.rollout.base import SamplingParams
+
+    with pytest.raises(ValueError, match="temperature 0.0 needs greedy=True"):
+        SamplingParams(temperature=0.0)
+    assert SamplingParams(temperature=0.0, greedy=True).greedy

@@ -69,6 +69,36 @@ def test_one_decode_step_equals_the_forward_over_the_longer_sequence(tiny_model_
     assert torch.allclose(dec.logits(h), ref, atol=2e-5)
 
 
+@pytest.mark.parametrize("attention,cudnn", [("sdpa", False), ("sdpa_auto", True)])
+def test_the_default_attention_runs_without_cudnn_in_prefill_and_decode(tokenizer, monkeypatch, attention, cudnn):
+    """rollout.fast.attention=sdpa keeps cuDNN's attention out of every SDPA call of a rollout (on an H200 its decode
+    gave different tokens in different processes); sdpa_auto leaves SDPA's choice alone. Both give the same logits
+    (on a CPU the backend flags do not change the kernel)."""
+    import gearlab.rollout.decoder as D
+
+    seen, real = [], D.F.scaled_dot_product_attention
+
+    def spy(q, *a, **k):
+        seen.append((q.shape[2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return real(q, *a, **k)
+
+    monkeypatch.setattr(D.F, "scaled_dot_product_attention", spy)
+    model = _llama(len(tokenizer))
+    ids, mask = _prompts(len(tokenizer))
+    dec = Decoder(model, attention=attention)
+    with torch.no_grad():
+        cache = dec.new_cache(3, 16)
+        dec.prefill(ids, mask, cache)
+        visible = torch.cat([mask.bool(), torch.ones(3, 1, dtype=torch.bool)], 1)
+        h = dec.forward(torch.tensor([[7], [8], [9]]), mask.sum(1, keepdim=True), cache, torch.tensor([12]), 13,
+                        visible[:, None, None, :])
+    assert {s for s, _ in seen} == {12, 2} and {c for _, c in seen} == {cudnn}  # prefill; decode: 4/2 heads folded
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+    x, m = torch.cat([ids, torch.tensor([[7], [8], [9]])], 1), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+    ref = model(input_ids=x, attention_mask=m, position_ids=position_ids_from_mask(m)).logits[:, -1]
+    assert torch.allclose(dec.logits(h), ref, atol=2e-5)
+
+
 def test_unsupported_models_are_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=64))
     reason = supports(gpt2)
