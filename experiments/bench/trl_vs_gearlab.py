@@ -18,7 +18,9 @@ disable_compile=False`` set after construction, not a TRL option: docs/hardware.
 with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step one CUDA graph) and
 ``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``), ``gearlab_fast_fused`` (compiled, with
 ``rollout.fast.fused_projections``), ``gearlab_fast_flex`` (compiled, decode attention with
-``rollout.fast.attention=flex``: compiled flex_attention's split-K decode kernel), ``gearlab_vllm`` (the tuned
+``rollout.fast.attention=flex``: compiled flex_attention's split-K decode kernel), ``gearlab_fast_cudnn`` (compiled,
+``rollout.fast.attention=sdpa_auto``: SDPA's own backend, cuDNN on Hopper, the default before 2026-12-01),
+``gearlab_vllm`` (the tuned
 update with ``rollout.engine=vllm``: a colocated bf16 vLLM engine with CUDA graphs, asleep during the update, synced
 in place after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp32_master`` (the same with fp32
 master weights next to the bf16 engine) and ``trl_vllm`` (TRL's colocated vLLM mode with its tuned update); the older \
@@ -279,6 +281,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                        "micro": 64, "checkpointing": False}),
     "gearlab_fast_flex": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "flex", "compiled": True,
                                       "micro": 64, "checkpointing": False}),
+    "gearlab_fast_cudnn": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "sdpa_auto",
+                                       "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm_fp32_master": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False,
                                              "master": "float32"}),

@@ -49,7 +49,7 @@ from gearlab.core.metrics import sanitize_metric_key
 from gearlab.commands.report_credit import credit_eval_table, credit_evals  # noqa: F401 (credit_eval_table re-exported)
 from gearlab.commands.report_plot import CURVE, SMOOTH, _band, _bounds, _plot, _smooth  # noqa: F401 (re-exported)
 from gearlab.commands.report_rows import (ALPHA, POWER, TOOL_METRICS, Collected, _history, _num, collect,  # noqa: F401
-                                          method_row)
+                                          method_row, pairing_line)
 from gearlab.core.power import t_interval
 from gearlab.trainer.provenance import TAG_PREFIX
 
@@ -122,7 +122,8 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     pct = _pct(metric)
     labelled = {f"{a}-s{s}": finished[(a, s)] for a in order for s in sorted(s_ for a_, s_ in finished if a_ == a)}
     table, credit, mismatch, unknown, warnings = _tables(client, rows, data, labelled, metric, baseline, target, pct)
-    table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct)])
+    table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct),
+                                  pairing_line(client, finished)])
     plot = out / "curves.png"
     _plot(data.curves, final_points=data.final, path=plot, metric=metric, baseline=baseline)
     extra_plots, notes = _more_curves(client, finished, order, data.final, more_curves, out, metric, baseline)
@@ -424,7 +425,8 @@ def _markdown(comparison: str, tracking: str, table: str, rows, missing, metric,
              "excludes 0; each `power:` line the SD of the per-seed paired differences, the MDE80 and the seeds a "
              "stated "
              "difference would need (docs/comparisons.md, \"Reading the power line\"). A difference whose interval "
-             "contains 0 is only \"no difference larger than the MDE80 could be seen\".", "", table, ""]
+             "contains 0 is only \"no difference larger than the MDE80 could be seen\". `pairing:` says whether "
+             "the children of each seed sampled the same first rollout, as a paired design needs.", "", table, ""]
     if target is not None:
         parts += [f"Steps to target: first iteration where the training accuracy, averaged over a {SMOOTH}-iteration "
                   "window, "

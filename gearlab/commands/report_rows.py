@@ -112,3 +112,29 @@ def method_row(a: str, c: Collected, baseline: str, effect: float, target: float
         for k in ("steps", "wall_s", "tokens"):
             row[f"to_target_{k}"] = sum(h[k] for h in hits) / len(hits) if hits else float("nan")
     return row
+
+
+def pairing_line(client: mlflow.MlflowClient, finished: dict[tuple[str, int], Any]) -> str:
+    """Whether the design was paired where it must be: the children of one seed start from the same weights with
+    the same prompts and sampling seeds, so their first rollouts (``train/rollout_crc`` at iteration 0) must be the
+    same tokens. ``pairing: exact — …`` / ``pairing: NOT exact — seed 0: 3 different first rollouts among 3
+    children …`` / ``pairing: not checked …`` (runs that logged no fingerprint)."""
+    first: dict[int, list[float]] = {}
+    unchecked = 0
+    for (_, s), r in sorted(finished.items()):
+        h = _history(client, r.info.run_id, "train/rollout_crc")
+        if h and h[0][0] == 0:
+            first.setdefault(s, []).append(h[0][1])
+        else:
+            unchecked += 1
+    if not first:
+        return "pairing: not checked (no child logged train/rollout_crc at iteration 0)"
+    bad = {s: len(set(v)) for s, v in first.items() if len(set(v)) > 1}
+    skipped = f"; {unchecked} child(ren) logged no fingerprint" if unchecked else ""
+    if not bad:
+        many = [s for s, v in first.items() if len(v) > 1]
+        return (f"pairing: exact — for each of {len(many)} seed(s) with several children, their first rollouts are "
+                f"the same tokens (train/rollout_crc at iteration 0){skipped}")
+    where = ", ".join(f"seed {s}: {k} different first rollouts among {len(first[s])} children" for s, k in bad.items())
+    return (f"pairing: NOT exact — {where} (train/rollout_crc at iteration 0): the same start sampled different "
+            f"tokens, so each paired difference also carries the rollout engine's run-to-run noise{skipped}")

@@ -214,7 +214,18 @@ class GRPOModule(L.LightningModule):
             upd["compile/graphs_total"] = float(counters["stats"]["unique_graphs"])
         self._end_iteration(it)
         upd["data_crc"] = float(zlib.crc32("\x00".join(p.prompt for p in batch["problems"]).encode()) % 1_000_000)
+        upd["rollout_crc"] = self._rollout_crc(rb)
         self._log_iteration(rb, all_rewards, all_groups, all_seq_adv, credit.metrics, upd)
+
+    def _rollout_crc(self, rb: RolloutBatch) -> float:
+        """A fingerprint of the iteration's sampled tokens over all ranks: the sum of each response's crc32 (its
+        tokens up to its own length, so neither a rank's padding width nor the split of rows over ranks changes it),
+        mod 10^6. Children of one seed in a comparison must agree at iteration 0 (``gearlab report``'s pairing
+        line)."""
+        ids, mask = rb.response_ids.cpu(), rb.attention_mask.bool().cpu()
+        local = sum(zlib.crc32(ids[i][mask[i]].numpy().tobytes()) for i in range(ids.shape[0]))
+        total = all_reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=self.device))  # < 2^53: exact
+        return float(int(total.item()) % 1_000_000)
 
     def _rollout(self, problems: list, it: int, rank: int,
                  first_row: int) -> tuple[RolloutBatch, Tensor, Tensor, Tensor]:
@@ -517,8 +528,8 @@ class GRPOModule(L.LightningModule):
             "train/nonfinite_steps_total": float(self.totals["nonfinite_steps"]),
             "train/reward_errors_total": float(self.totals["reward_errors"]),
         }
-        data_crc = upd.pop("data_crc")  # fingerprint of this iteration's prompts: paired runs must agree
-        out["train/data_crc"] = data_crc
+        # fingerprints of the iteration's prompts and sampled tokens: paired runs agree (the tokens at iteration 0)
+        out["train/data_crc"], out["train/rollout_crc"] = upd.pop("data_crc"), upd.pop("rollout_crc")
         out.update(
             {(
                 k if "/" in k else f"time/{k[5:]}" if k.startswith("time_") else f"update/{k}"

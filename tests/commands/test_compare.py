@@ -54,6 +54,7 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
         assert g["train/data_crc"] == e["train/data_crc"]  # same prompts in the same order
         assert g["train/reward"][0] == e["train/reward"][0]  # same initial weights + same sampling seed
         assert g["eval/greedy_accuracy"][0] == e["eval/greedy_accuracy"][0]  # same eval problems before training
+        assert g["train/rollout_crc"][0] == e["train/rollout_crc"][0]  # the same sampled tokens
     assert h[("grpo", "0")]["train/data_crc"] != h[("grpo", "1")]["train/data_crc"]  # seeds differ
     assert "report/report.md" in [a.path for a in client.list_artifacts(parent.info.run_id, "report")]
     # MLflow 3's model-training kind tag, artifacts beside the db, versions on every run
@@ -61,6 +62,8 @@ def test_paired_design_report_and_resume(tmp_path, tiny_model_dir, capsys):
     assert exp.artifact_location == (tmp_path.resolve() / "mlartifacts" / "compare_pair").as_uri()
     assert all(r.data.tags["versions.torch"] == torch.__version__ for r in [parent, *kids.values()])
     assert {"grpo/final_mean", "entropy_adv/paired_diff"} <= set(parent.data.metrics)
+    assert "pairing: exact — for each of 2 seed(s) with several children, their first rollouts are the same tokens" \
+        in out["table"]
     table = out["table"].split("| method")[1].split("\n\n")[0]
     # the same table from MLflow alone, in a new process
     rep = subprocess.run([sys.executable, "-m", "gearlab.cli", "report", "pair", f"trainer.output_dir={tmp_path}"],

@@ -259,3 +259,22 @@ def test_a_difference_that_rounds_to_zero_has_no_sign():
     assert _fmt(-0.0006, 0.0072, 5, pct=True) == "-0.1 ± 0.7 (n=5)"
     assert _amount(-1.19e-8, True, signed=True) == "+0.0 points" and _amount(-0.0004, True) == "0.0 points"
     assert _amount(-0.0412, False, signed=True) == "-0.0412" and _fmt(-1e-12, None, 3) == "-1e-12 (n=3)"
+
+
+def test_the_pairing_line_names_seeds_whose_children_sampled_different_first_rollouts(tmp_path):
+    """Children of one seed must begin with the same tokens (train/rollout_crc at iteration 0); the report says
+    exact, names the seeds where they differ, or says it could not check."""
+    from gearlab.commands.report_rows import pairing_line
+
+    _, client, _, ids = _fake_comparison(tmp_path, "pairs", FINALS)
+    finished = {k: client.get_run(r) for k, r in ids.items()}
+    assert pairing_line(client, finished).startswith("pairing: not checked")
+    for (a, s), rid in ids.items():
+        client.log_metric(rid, "train/rollout_crc", 1000.0 + s, step=0)
+        client.log_metric(rid, "train/rollout_crc", 7.0, step=1)  # later iterations may differ
+    assert pairing_line(client, finished).startswith(
+        "pairing: exact — for each of 3 seed(s) with several children, their first rollouts are the same tokens")
+    client.log_metric(ids[("gear", 1)], "train/rollout_crc", 5.0, step=0)  # a second value at step 0: sorted first
+    line = pairing_line(client, finished)
+    assert line.startswith("pairing: NOT exact — seed 1: 2 different first rollouts among 3 children"), line
+    assert "seed 0" not in line and "seed 2" not in line

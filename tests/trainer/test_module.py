@@ -177,3 +177,24 @@ def test_passes_that_backpropagate_run_without_cudnn_attention(tmp_path, tiny_mo
     assert with_grad and not any(with_grad)  # every differentiated attention call: cuDNN off
     assert without and any(without)  # the rollout's forward-only calls: cuDNN still allowed
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+
+
+def test_the_rollout_fingerprint_sees_tokens_not_padding_or_row_order():
+    """train/rollout_crc: the same responses padded to another width, or in another row order, give the same value
+    (the split of rows over ranks and each rank's padding must not change it); one token changed changes it."""
+    from types import SimpleNamespace
+
+    from gearlab.trainer.module import GRPOModule
+
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = ids != 0
+    crc = lambda i, m: GRPOModule._rollout_crc(SimpleNamespace(device="cpu"), SimpleNamespace(  # noqa: E731
+        response_ids=i, attention_mask=m))
+    base = crc(ids, mask)
+    wider = torch.cat([ids, torch.zeros(2, 3, dtype=torch.long)], 1)
+    assert crc(wider, wider != 0) == base
+    assert crc(ids.flip(0), mask.flip(0)) == base
+    other = ids.clone()
+    other[1, 1] = 10
+    assert crc(other, mask) != base
+    assert 0 <= base < 1_000_000 and base == float(int(base))
