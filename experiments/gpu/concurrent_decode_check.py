@@ -13,7 +13,9 @@ captures, the second is timed. Modes:
   cudnn   Inductor's deterministic mode, attention=sdpa_auto (gearlab's default on 2026-12-01, before this check)
   sdpa    Inductor's deterministic mode, attention=sdpa (no cuDNN attention): gearlab's default now
 Each process also runs one decode-shape attention (rows × 16 query heads over 8 K/V heads, 384 positions, a
-boolean mask) 20 times on fixed inputs with each backend alone and reports how many distinct outputs it gave.
+boolean mask) 20 times on fixed inputs with each backend alone, and one forward+backward on 32 of the prompts three
+times with the default kernels and three times with deterministic algorithms requested, and reports how many
+distinct outputs (gradients) each gave.
 The JSON gives each process's token digests and ms per decode step; a mode passes when every process (and every
 call of each) gave the same digest.
 
@@ -67,6 +69,30 @@ def attention_repeats(dev: Any, rows: int, n: int = 20) -> dict:
     return out
 
 
+def update_repeats(model: Any, ids: Any, mask: Any, n: int = 3) -> dict:
+    """Distinct gradient digests of ``n`` forward+backward passes of one loss on a fixed batch (the update's
+    attention: SDPA without cuDNN), with PyTorch's default kernels and with deterministic algorithms requested."""
+    import torch
+
+    from gearlab.core.sdpa import differentiable_attention
+
+    out = {}
+    for name, det in (("default", False), ("deterministic_algorithms", True)):
+        torch.use_deterministic_algorithms(det, warn_only=True)
+        digests = set()
+        for _ in range(n):
+            model.zero_grad(set_to_none=True)
+            with differentiable_attention():
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            logits.float().logsumexp(-1).mean().backward()
+            g = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+            digests.add(hashlib.sha256(g.cpu().numpy().tobytes()).hexdigest()[:16])
+        out[name] = len(digests)
+    torch.use_deterministic_algorithms(False)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def worker(out: str, rows: int, new: int) -> None:
     import torch
 
@@ -100,7 +126,8 @@ def worker(out: str, rows: int, new: int) -> None:
     Path(out).write_text(json.dumps({
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "digests": digests,
         "ms_per_step_second_call": round(1000 * secs[1] / gen.stats()["fast/steps"], 3),
-        "attention_distinct_of_20": attention_repeats(dev, rows)}))
+        "attention_distinct_of_20": attention_repeats(dev, rows),
+        "update_distinct_of_3": update_repeats(model, ids[:32].to(dev), mask[:32].to(dev))}))
 
 
 def run_mode(mode: str, n_gpu: int, per_gpu: int, rows: int, new: int, work: Path) -> dict:
