@@ -19,8 +19,8 @@ three children's first rollouts from one start had mean rewards 0.1878, 0.1897 a
 evaluations differed, and ``experiments/gpu/concurrent_decode_check.py`` gave a different token digest in every
 process and in each process's second call (128 rows × 256 tokens; 64 rows × 64 tokens repeated exactly). Flash,
 memory-efficient and math attention are run-to-run deterministic in the forward (PyTorch's reproducibility notes);
-cuDNN's decode-shape forward is the suspect the flag removes (``experiments/gpu/decode_determinism.py`` is the check
-on a card). On a CPU the flags are inert.
+cuDNN's decode-shape forward is the suspect the flag removes (``experiments/gpu/concurrent_decode_check.py`` is the
+check on a card). On a CPU the flags are inert.
 """
 from __future__ import annotations
 
@@ -41,10 +41,6 @@ def differentiable_attention() -> Iterator[None]:
         yield
 
 
-@contextmanager
-def reproducible_attention() -> Iterator[None]:
-    """SDPA without the cuDNN backend for the duration, for forward passes that must give the same bits in every
-    process (the fast decoder's rollouts: see the module docstring). The same backends as
-    ``differentiable_attention``; a separate name because the reason differs."""
-    with sdpa_kernel(BACKWARD_SAFE):
-        yield
+#: the same backends for forward passes that must give the same bits in every process (the fast decoder's rollouts:
+#: see the module docstring); a second name because the reason differs
+reproducible_attention = differentiable_attention

@@ -31,6 +31,7 @@ choice); the numerics equal HF's SDPA path to float tolerance (tested: greedy to
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -294,13 +295,9 @@ class Decoder:
             return self.flex(q, kc[:, :, :length], vc[:, :, :length], mask[:, 0, 0].expand(B, length),
                              self.scaling)
         k, v = kc[:, :, :length], vc[:, :, :length]
-        if self.attention == "sdpa_auto":  # SDPA's own backend choice (cuDNN's grouped-query path on Hopper)
-            if S == 1 and H != self.n_kv and not kc.is_cuda:
-                return self._grouped(q, k, v, mask)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                                  enable_gqa=H != self.n_kv)
-        with reproducible_attention():  # no cuDNN: the same bits in every process (gearlab.core.sdpa)
-            if S == 1 and H != self.n_kv:
+        auto = self.attention == "sdpa_auto"  # SDPA's own backend choice (cuDNN's grouped-query path on Hopper)
+        with contextlib.nullcontext() if auto else reproducible_attention():  # no cuDNN: the same bits everywhere
+            if S == 1 and H != self.n_kv and not (auto and kc.is_cuda):
                 return self._grouped(q, k, v, mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                                   enable_gqa=H != self.n_kv)
