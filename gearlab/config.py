@@ -87,7 +87,9 @@ class FastDecodeConfig:
     # processes on an H200 sampled different tokens from the same weights and seeds; no decode kernel: at long caches
     # it does not split the keys across thread blocks) | sdpa_auto = SDPA's own choice (cuDNN on Hopper) | flex =
     # compiled flex_attention, on CUDA its split-K decode kernel (more thread blocks per row at small batches or long
-    # caches; two compiles per batch size; eager on the CPU); prefill stays sdpa
+    # caches; two compiles per batch size; eager on the CPU) | split = gearlab's split-K Triton kernel
+    # (gearlab.rollout.split_decode: K/V read once per step, deterministic; on the CPU its PyTorch reference); prefill
+    # stays sdpa
     attention: str = "sdpa"
 
 
@@ -499,7 +501,7 @@ _CHOICES = {
     "rollout.engine": ("auto", "hf", "fast", "vllm"),
     "credit_eval.truth": ("located", "mc", "both"),
     "rollout.fast.cuda_graphs": ("auto", "on", "off"),
-    "rollout.fast.attention": ("sdpa", "sdpa_auto", "flex"),
+    "rollout.fast.attention": ("sdpa", "sdpa_auto", "flex", "split"),
     "rollout.fast.sharded_weights": ("gather", "replica"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
     "rollout.vllm.sleep": ("auto", "on", "off"),

@@ -17,7 +17,10 @@ Variants:
   sdpa_gqa         SDPA with 16 query heads and ``enable_gqa=True``, boolean mask (and its _cudnn, _efficient forced)
   flex_decode      ``flex_attention`` compiled (its decoding kernel for short queries), GQA, the mask as a mask_mod
                    over a block mask built for the bucket (built outside the timed loop)
-Each variant's output is compared with sdpa_math's (max |Δ|).
+  split            gearlab's split-K Triton kernel (``rollout.fast.attention=split``, gearlab.rollout.split_decode)
+Each variant's output is compared with sdpa_math's (max |Δ|); ``split_distinct_of_20`` counts the distinct outputs of
+20 runs of the split kernel on the same inputs. ``--batch`` and ``--lengths`` set the shape (reasoning lengths:
+``--lengths 1024,2048``; a small batch: ``--batch 16``).
 """
 from __future__ import annotations
 
@@ -64,12 +67,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_attention.json")
     ap.add_argument("--lengths", default="128,192,256,320")
+    ap.add_argument("--batch", type=int, default=B)
     a = ap.parse_args()
+    _run(a.out, [int(x) for x in a.lengths.split(",")], a.batch)
+
+
+def _run(out_path: str, lengths: list[int], B: int) -> None:  # noqa: C901 — one sweep over variants, read top down
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    Lmax = max(int(x) for x in a.lengths.split(","))
+    from gearlab.rollout.split_decode import SplitDecode
+
+    split = SplitDecode()
+    Lmax = max(lengths)
     ks = [torch.randn(B, HKV, Lmax, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(LAYERS)]
     vs = [torch.randn(B, HKV, Lmax, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(LAYERS)]
     q = torch.randn(B, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -83,7 +94,7 @@ def main() -> None:
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception as e:  # noqa: BLE001 — report and go on
         flex, res["flex_error"] = None, f"{type(e).__name__}: {e}"[:300]
-    for L in (int(x) for x in a.lengths.split(",")):
+    for L in lengths:
         at = L - 17  # the position being written: the last 16 of the bucket are not filled yet
         visible = key_ok[:, :L] & (torch.arange(L, device=dev) <= at)
         mask = visible[:, None, None, :]
@@ -107,7 +118,13 @@ def main() -> None:
             return F.scaled_dot_product_attention(q, ks[i][:, :, :L], vs[i][:, :, :L], attn_mask=mask, enable_gqa=True)
 
         variants.update({"sdpa_gqa": (gqa, None), "sdpa_gqa_cudnn": (gqa, SDPBackend.CUDNN_ATTENTION),
-                         "sdpa_gqa_efficient": (gqa, SDPBackend.EFFICIENT_ATTENTION)})
+                         "sdpa_gqa_efficient": (gqa, SDPBackend.EFFICIENT_ATTENTION),
+                         "split": (lambda i: split(q, ks[i][:, :, :L], vs[i][:, :, :L], visible, D ** -0.5), None)})
+        try:
+            row["split_distinct_of_20"] = len({variants["split"][0](0).view(torch.int16).cpu().numpy().tobytes()
+                                             for _ in range(20)})
+        except Exception as e:  # noqa: BLE001
+            row["split_error"] = f"{type(e).__name__}: {e}"[:300]
         if flex is not None:
             def mask_mod(b, h, q_idx, kv_idx):
                 return visible[b, kv_idx]
@@ -132,7 +149,7 @@ def main() -> None:
                 row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         res["lengths"][str(L)] = row
         print(json.dumps({L: row}), flush=True)
-    Path(a.out).write_text(json.dumps(res, indent=2))
+    Path(out_path).write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step o
 ``rollout.fast.fused_projections``), ``gearlab_fast_flex`` (compiled, decode attention with
 ``rollout.fast.attention=flex``: compiled flex_attention's split-K decode kernel), ``gearlab_fast_cudnn`` (compiled,
 ``rollout.fast.attention=sdpa_auto``: SDPA's own backend, cuDNN on Hopper, the default before 2026-12-01),
+``gearlab_fast_split`` (compiled, ``rollout.fast.attention=split``: gearlab's split-K Triton decode kernel) and
+``gearlab_fast_split_fused`` (the same with fused projections),
 ``gearlab_vllm`` (the tuned
 update with ``rollout.engine=vllm``: a colocated bf16 vLLM engine with CUDA graphs, asleep during the update, synced
 in place after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp32_master`` (the same with fp32
@@ -233,9 +235,26 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
     return res
 
 
+_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins; lower-cased
+    ("attention", ("fmha", "flash", "attention", "attn", "_partial", "_merge", "flex", "cudnn")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("reductions (norms, softmax, sampler)", ("reduce", "softmax", "scan", "cumsum", "sort", "argmax", "triton_red",
+                                              "triton_per")),
+    ("copies", ("copy", "memcpy", "index", "cat", "fill")),
+    ("elementwise", ("elementwise", "triton_poi", "vectorized", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel by its name (``_KINDS``), ``other`` if none matches."""
+    low = name.lower()
+    return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other")
+
+
 def profile_decode_step(module) -> dict:
     """One more fast-path rollout under torch.profiler: the CUDA kernel time and the wall time per decode step
-    (their gap is launch and host overhead), and the five costliest kernels."""
+    (their gap is launch and host overhead), the kernel time by kind (``kernel_kind``) and the ten costliest
+    kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     from gearlab.rollout.base import SamplingParams
@@ -258,8 +277,14 @@ def profile_decode_step(module) -> dict:
     kernel_us = sum(e.self_device_time_total for e in events)
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:10]
     steps = st["fast/steps"]
+    by_kind: dict[str, float] = {}
+    for e in events:
+        kind = kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1000 / steps
     return {"wall_ms_per_step": round(st["fast/ms_per_step"], 3), "kernel_ms_per_step": round(kernel_us / 1000 / steps,
             3),
+            "gap_ms_per_step": round(st["fast/ms_per_step"] - kernel_us / 1000 / steps, 3),
+            "kernel_ms_per_step_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "kernels_per_step": round(sum(e.count for e in events) / steps, 1),
             "top_kernels_ms_per_step": {e.key[:80]: [
                 round(e.self_device_time_total / 1000 / steps, 3), round(e.count / steps, 1)
@@ -283,6 +308,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                       "micro": 64, "checkpointing": False}),
     "gearlab_fast_cudnn": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "sdpa_auto",
                                        "compiled": True, "micro": 64, "checkpointing": False}),
+    "gearlab_fast_split": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "split",
+                                       "compiled": True, "micro": 64, "checkpointing": False}),
+    "gearlab_fast_split_fused": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "split",
+                                             "fused": True, "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm_fp32_master": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False,
                                              "master": "float32"}),

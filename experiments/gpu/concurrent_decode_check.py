@@ -2,7 +2,7 @@
 children per card; a paired design needs them to.)
 
     python experiments/gpu/concurrent_decode_check.py --out concurrent.json [--per-gpu 3] [--rows 128] [--new 256]
-        [--modes timed,cudnn,sdpa]
+        [--modes timed,cudnn,sdpa,split]
 
 For each mode, ``--per-gpu`` processes per visible GPU start at once, each with an Inductor cache of its own, load
 the benchmark's 0.6B-shape bf16 model (seeded random weights, built once by the parent) and sample ``--rows`` rows of
@@ -12,6 +12,7 @@ captures, the second is timed. Modes:
           kernels; SDPA picks its backend, cuDNN on Hopper): the behaviour before either fix
   cudnn   Inductor's deterministic mode, attention=sdpa_auto (gearlab's default on 2026-12-01, before this check)
   sdpa    Inductor's deterministic mode, attention=sdpa (no cuDNN attention): gearlab's default now
+  split   Inductor's deterministic mode, attention=split (gearlab's split-K Triton kernel at decode)
 Each process also runs one decode-shape attention (rows × 16 query heads over 8 K/V heads, 384 positions, a
 boolean mask) 20 times on fixed inputs with each backend alone, and one forward+backward on 32 of the prompts three
 times with the default kernels and three times with deterministic algorithms requested, and reports how many
@@ -138,7 +139,7 @@ def run_mode(mode: str, n_gpu: int, per_gpu: int, rows: int, new: int, work: Pat
         env.pop("TORCHINDUCTOR_DETERMINISTIC", None)
         if mode == "timed":
             env["TORCHINDUCTOR_DETERMINISTIC"] = "0"
-        env["ATTENTION"] = "sdpa" if mode == "sdpa" else "sdpa_auto"
+        env["ATTENTION"] = mode if mode in ("sdpa", "split") else "sdpa_auto"
         out = work / f"{mode}_{i}.json"
         procs.append((out, subprocess.Popen([sys.executable, __file__, "--worker", str(out), "--rows", str(rows),
                                              "--new", str(new)], env=env)))

@@ -11,16 +11,17 @@ Checks (each a key of the JSON, with pass/fail and the numbers):
                      log-probs match the trainer's forward under the NEW weights
   bf16_0.6b          the Qwen3-0.6B shape in bf16, 128 × 64-token prompts, 256 new tokens: ms per decode step for
                      HF static-cache compiled generate, fast eager, fast + graphs, fast + compile + graphs (also
-                     fused, and with flex attention; each after a warm-up call), engine-vs-trainer log-prob mismatch
+                     fused, with flex, split and cuDNN attention; each after a warm-up call), engine-vs-trainer mismatch
                      (mean |Δ|), greedy agreement with HF
   flex_*             rollout.fast.attention=flex (compiled flex_attention at decode steps; eager on the CPU), small
                      fp32 model: greedy = HF generate (flex_greedy_fp32); sampled tokens = the SDPA path's and
                      log-probs within 1e-5 (flex_vs_sdpa); after an in-place optimizer step (flex_after_step)
+  split_*            the same three checks with rollout.fast.attention=split (gearlab's split-K Triton kernel)
   flex_long          the 0.6B shape in bf16 at long caches (64-token prompts, 1,024 new tokens) and small batches:
-                     ms per decode step, SDPA vs flex (compile + graphs), each one's engine-vs-trainer mismatch, and
+                     ms per decode step, SDPA vs flex vs split (graphs), each one's engine-vs-trainer mismatch, and
                      the flex kernels an uncaptured step launches (Inductor's flex decoding kernel or not)
 
-``--only check_flex,check_flex_long`` runs just those checks (names: ``CHECKS``).
+``--only check_split,check_flex_long`` runs just those checks (names: ``CHECKS``).
 """
 from __future__ import annotations
 
@@ -115,23 +116,32 @@ def check_small_fused(res: dict, tok, model, eng, ids, mask) -> None:
     res["fused_after_step"] = step_then_decode(fast, model, ids, mask, sp, a)
 
 
-def check_flex(res: dict) -> None:
-    """rollout.fast.attention=flex on the small fp32 model (CUDA graphs and compiled flex_attention on a GPU)."""
+def _check_attention(res: dict, attention: str) -> None:
+    """rollout.fast.attention=<attention> on the small fp32 model (CUDA graphs; compiled flex_attention or the
+    split-K Triton kernel on a GPU): greedy = HF generate, sampled tokens = the SDPA path's, after a step."""
     tok, model, eng, ids, mask = small_setup()
     greedy = SamplingParams(max_new_tokens=48, greedy=True)
     ref, ref_mask = eng.sample(model, ids, mask, greedy, seed=0)
-    fast = FastDecoder(tok, batch_size=128, attention="flex")
+    fast = FastDecoder(tok, batch_size=128, attention=attention)
     out, omask, _ = fast.sample(model, ids, mask, greedy, seed=0)
-    res["flex_greedy_fp32"] = {"pass": bool(torch.equal(out, ref) and torch.equal(omask, ref_mask)),
-                               "rows_equal": int((out == ref).all(1).sum()) if out.shape == ref.shape else 0}
+    res[f"{attention}_greedy_fp32"] = {"pass": bool(torch.equal(out, ref) and torch.equal(omask, ref_mask)),
+                                       "rows_equal": int((out == ref).all(1).sum()) if out.shape == ref.shape else 0}
     sp = SamplingParams(max_new_tokens=48)
     a = fast.sample(model, ids, mask, sp, seed=5)
     b = FastDecoder(tok, batch_size=128).sample(model, ids, mask, sp, seed=5)
     same = a[0].shape == b[0].shape and torch.equal(a[0], b[0])
     diff = float((a[2] - b[2])[b[1]].abs().max()) if same else float("nan")
-    res["flex_vs_sdpa"] = {"pass": bool(same and diff < 1e-5), "max_lp_diff": diff,
-                           "graphs_captured": fast.stats()["fast/graphs_captured"]}
-    res["flex_after_step"] = step_then_decode(fast, model, ids, mask, sp, a)
+    res[f"{attention}_vs_sdpa"] = {"pass": bool(same and diff < 1e-5), "max_lp_diff": diff,
+                                   "graphs_captured": fast.stats()["fast/graphs_captured"]}
+    res[f"{attention}_after_step"] = step_then_decode(fast, model, ids, mask, sp, a)
+
+
+def check_flex(res: dict) -> None:
+    _check_attention(res, "flex")
+
+
+def check_split(res: dict) -> None:
+    _check_attention(res, "split")
 
 
 def step_then_decode(fast, model, ids, mask, sp, a) -> dict:
@@ -193,7 +203,9 @@ def check_06b(res: dict) -> None:
     for name, kw in (("fast_eager", dict(cuda_graphs="off", compile=False)), ("fast_graphs", dict(compile=False)),
                      ("fast_compiled_graphs", dict(compile=True)),
                      ("fast_compiled_graphs_fused", dict(compile=True, fused=True)),
-                     ("fast_compiled_graphs_flex", dict(compile=True, attention="flex"))):
+                     ("fast_compiled_graphs_flex", dict(compile=True, attention="flex")),
+                     ("fast_compiled_graphs_split", dict(compile=True, attention="split")),
+                     ("fast_compiled_graphs_cudnn", dict(compile=True, attention="sdpa_auto"))):
         if name != "fast_eager" and DEV.type != "cuda":
             continue
         gen = FastDecoder(tok, batch_size=len(ids), **kw)
@@ -222,7 +234,7 @@ def check_flex_long(res: dict) -> None:
     out = {"new_tokens": new, "prompt_tokens": ids.shape[1]}
     for rows in (8, 32):
         sp = SamplingParams(max_new_tokens=new)
-        for attention in ("sdpa", "flex"):
+        for attention in ("sdpa", "flex", "split"):
             gen = FastDecoder(tok, batch_size=rows, attention=attention)
             gen.stop_ids = [-1]  # every row runs the whole length (a random model rarely samples the end token)
             s, (resp, rmask, lp) = timed(lambda: gen.sample(model, ids[:rows], mask[:rows], sp, seed=0))
@@ -259,7 +271,7 @@ def log_flex_decoding_choices() -> None:
     log.addHandler(Keep(logging.DEBUG))
 
 
-CHECKS = {"check_small": check_small, "check_flex": check_flex, "check_06b": check_06b,
+CHECKS = {"check_small": check_small, "check_flex": check_flex, "check_split": check_split, "check_06b": check_06b,
           "check_flex_long": check_flex_long}
 
 

@@ -50,7 +50,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from gearlab.parallel.compiling import deterministic_compile, raise_recompile_limit
 
-ATTENTION = ("sdpa", "sdpa_auto", "flex")  # rollout.fast.attention
+ATTENTION = ("sdpa", "sdpa_auto", "flex", "split")  # rollout.fast.attention
 _COMPILED: list[Callable[..., Tensor]] = []  # torch.compile(_flex_step), made at the first use
 
 

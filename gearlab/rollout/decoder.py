@@ -20,7 +20,8 @@ the compute dtype (``FusedWeights``: extra memory = those projections' parameter
 optimizer steps are seen and captured graphs, which point at the copies, stay valid).
 
 ``attention="flex"`` runs a decode step's attention with compiled ``flex_attention`` instead of SDPA (on CUDA its
-split-K decode kernel; ``gearlab.rollout.attention``); prefill stays SDPA.
+split-K decode kernel; ``gearlab.rollout.attention``); ``attention="split"`` with gearlab's own split-K Triton kernel
+(deterministic; ``gearlab.rollout.split_decode``); prefill stays SDPA.
 
 Simplifications: attention is PyTorch's ``scaled_dot_product_attention`` (or, for decode steps with
 ``attention="flex"``, ``flex_attention`` with the mask as a score modification) over the first ``L`` cache
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 from gearlab.core.sdpa import reproducible_attention
 from gearlab.parallel.compiling import deterministic_compile
 from gearlab.rollout.attention import ATTENTION, FlexDecode
+from gearlab.rollout.split_decode import SplitDecode
 
 ARCH_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -221,6 +223,7 @@ class Decoder:
         self.fw: FusedWeights | None = None  # made and refreshed by refresh_fused
         self.attention = attention
         self.flex = FlexDecode() if attention == "flex" else None  # decode steps' attention (gearlab.rollout.attention)
+        self.split = SplitDecode() if attention == "split" else None  # (gearlab.rollout.split_decode)
         if compile:
             # the two pieces around attention, for decode steps: their shapes are the same at every step and every
             # cache length, so each compiles once for the first batch size (and once more, with a dynamic batch
@@ -291,9 +294,9 @@ class Decoder:
         """Attention of q [B, H, S, D] over the first ``length`` positions of one layer's cache under ``mask``
         [B, 1, S, length] → [B, H, S, D]."""
         B, H, S, _ = q.shape
-        if S == 1 and self.flex is not None:
-            return self.flex(q, kc[:, :, :length], vc[:, :, :length], mask[:, 0, 0].expand(B, length),
-                             self.scaling)
+        step = self.flex or self.split  # a decode step's own kernel, if one was chosen
+        if S == 1 and step is not None:
+            return step(q, kc[:, :, :length], vc[:, :, :length], mask[:, 0, 0].expand(B, length), self.scaling)
         k, v = kc[:, :, :length], vc[:, :, :length]
         auto = self.attention == "sdpa_auto"  # SDPA's own backend choice (cuDNN's grouped-query path on Hopper)
         with contextlib.nullcontext() if auto else reproducible_attention():  # no cuDNN: the same bits everywhere

@@ -276,7 +276,7 @@ def test_a_bad_attention_value_exits_2_with_one_line(capsys):
     assert main(["train", "rollout.fast.attention=foo", "--print-config"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.strip().splitlines() == [
-        "gearlab: error: key 'rollout.fast.attention': 'foo' is not one of sdpa, sdpa_auto, flex"]
+        "gearlab: error: key 'rollout.fast.attention': 'foo' is not one of sdpa, sdpa_auto, flex, split"]
 
 
 def test_fsdp2_two_processes_decode_the_gathered_weights_or_their_replica(tmp_path, tiny_model_dir):
