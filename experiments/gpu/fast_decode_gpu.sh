@@ -2,8 +2,9 @@
 # The fast decode path (rollout.engine=fast, issue 19) and gearlab's vLLM engine (issue 18) on a lent GPU, in calls of
 # at most 10 minutes. Parts run in the order given:
 #   check    ~4 min: experiments/gpu/fast_decode_check.py (correctness on the GPU, decode ms/step of HF static+compiled
-#            vs fast eager/graphs); needs no wheels
-#   attn     ~1 min: experiments/bench/decode_attention.py (decode attention kernels alone, at the benchmark's shape)
+#            vs fast eager/graphs); needs no wheels; CHECK_ONLY=check_split,check_flex_long runs those checks only
+#   attn     ~1 min: experiments/bench/decode_attention.py (decode attention kernels alone, at the benchmark's shape;
+#            ATTN_BATCHES="128 16" and ATTN_LENGTHS=256,1024,2048 for reasoning lengths)
 #   credit   ~2 min: experiments/bench/credit_cost.py on the Qwen3-0.6B preset for the entropy methods, with the entropy
 #            computed in the update's forward (needs omegaconf)
 #   bench    ~6 min: the TRL-vs-gearlab table, each variant in its own process; BENCH_VARIANTS (default
@@ -33,10 +34,14 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[
 for part in "$@"; do
   case $part in
   check)
-    timeout 300 python experiments/gpu/fast_decode_check.py --out "$OUT/fast_decode_check.json" > "$OUT/check.log" 2>&1
+    timeout ${CHECK_TIMEOUT:-300} python experiments/gpu/fast_decode_check.py --out "$OUT/fast_decode_check.json" \
+      ${CHECK_ONLY:+--only "$CHECK_ONLY"} > "$OUT/check.log" 2>&1
     echo "check rc=$?"; tail -c 2500 "$OUT/check.log" ;;
   attn)
-    timeout ${ATTN_TIMEOUT:-150} python experiments/bench/decode_attention.py --out "$OUT/decode_attention_${card:-gpu}.json" > "$OUT/attn.log" 2>&1
+    for b in ${ATTN_BATCHES:-128}; do  # ATTN_LENGTHS (default 128,192,256,320), e.g. 256,1024,2048
+      timeout ${ATTN_TIMEOUT:-150} python experiments/bench/decode_attention.py --batch "$b" \
+        --lengths "${ATTN_LENGTHS:-128,192,256,320}" --out "$OUT/decode_attention_${card:-gpu}_b$b.json" >> "$OUT/attn.log" 2>&1
+    done
     echo "attn rc=$?"; tail -c 2500 "$OUT/attn.log" ;;
   credit)
     timeout 240 python experiments/bench/credit_cost.py --preset qwen3-0.6b --assigners entropy_adv entropy_fork \
