@@ -91,6 +91,11 @@ class FastDecodeConfig:
     # (gearlab.rollout.split_decode: K/V read once per step, deterministic; on the CPU its PyTorch reference); prefill
     # stays sdpa
     attention: str = "sdpa"
+    # plain sampling's draw (no top-k / top-p, not greedy): torch = gearlab.rollout.sampler (a softmax and a two-level
+    # inverse CDF, several passes over the vocabulary) | fused = gearlab.rollout.fused_sample (one pass over the
+    # logits in Triton kernels on CUDA, its PyTorch reference elsewhere; the same distribution, the same token but
+    # where rounding at an interval's edge differs)
+    sampler: str = "torch"
 
 
 @dataclass
@@ -502,6 +507,7 @@ _CHOICES = {
     "credit_eval.truth": ("located", "mc", "both"),
     "rollout.fast.cuda_graphs": ("auto", "on", "off"),
     "rollout.fast.attention": ("sdpa", "sdpa_auto", "flex", "split"),
+    "rollout.fast.sampler": ("torch", "fused"),
     "rollout.fast.sharded_weights": ("gather", "replica"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),
     "rollout.vllm.sleep": ("auto", "on", "off"),

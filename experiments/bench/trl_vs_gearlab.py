@@ -21,7 +21,9 @@ with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step o
 ``rollout.fast.attention=flex``: compiled flex_attention's split-K decode kernel), ``gearlab_fast_cudnn`` (compiled,
 ``rollout.fast.attention=sdpa_auto``: SDPA's own backend, cuDNN on Hopper, the default before 2026-12-01),
 ``gearlab_fast_split`` (compiled, ``rollout.fast.attention=split``: gearlab's split-K Triton decode kernel) and
-``gearlab_fast_split_fused`` (the same with fused projections),
+``gearlab_fast_split_fused`` (the same with fused projections), ``gearlab_fast_fused_sampler`` (compiled,
+``rollout.fast.sampler=fused``: the one-pass draw), ``gearlab_fast_all`` (split attention, fused projections and the
+fused draw),
 ``gearlab_vllm`` (the tuned
 update with ``rollout.engine=vllm``: a colocated bf16 vLLM engine with CUDA graphs, asleep during the update, synced
 in place after each step; its mismatch and sync metrics are reported), ``gearlab_vllm_fp32_master`` (the same with fp32
@@ -179,7 +181,7 @@ def run_trl(model_dir: Path, iters: int, out: Path, static: bool = False, micro:
 
 def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: bool = False, micro: int = 8,
                 checkpointing: bool = True, engine: str = "hf", fast_compile: bool = False, profile: bool = False,
-                master: str = "bfloat16", fused: bool = False, attention: str = "sdpa") -> dict:
+                master: str = "bfloat16", fused: bool = False, attention: str = "sdpa", sampler: str = "torch") -> dict:
     import lightning as L
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,7 +203,8 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
                        f"trainer.activation_checkpointing={checkpointing}", "optim.lr=1e-6", "signals.chunk_size=1024",
                        f"trainer.max_steps={iters}", f"rollout.static_cache={static}", f"trainer.compile={compiled}",
                        f"rollout.engine={engine}", f"rollout.fast.compile={fast_compile}",
-                       f"rollout.fast.fused_projections={fused}", f"rollout.fast.attention={attention}", *vllm_opts])
+                       f"rollout.fast.fused_projections={fused}", f"rollout.fast.attention={attention}",
+                       f"rollout.fast.sampler={sampler}", *vllm_opts])
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
@@ -312,6 +315,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                        "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_fast_split_fused": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "split",
                                              "fused": True, "compiled": True, "micro": 64, "checkpointing": False}),
+    "gearlab_fast_fused_sampler": ("gearlab", {"engine": "fast", "fast_compile": True, "sampler": "fused",
+                                               "compiled": True, "micro": 64, "checkpointing": False}),
+    "gearlab_fast_all": ("gearlab", {"engine": "fast", "fast_compile": True, "attention": "split", "fused": True,
+                                     "sampler": "fused", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False}),
     "gearlab_vllm_fp32_master": ("gearlab", {"engine": "vllm", "compiled": True, "micro": 64, "checkpointing": False,
                                              "master": "float32"}),

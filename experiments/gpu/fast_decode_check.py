@@ -11,12 +11,14 @@ Checks (each a key of the JSON, with pass/fail and the numbers):
                      log-probs match the trainer's forward under the NEW weights
   bf16_0.6b          the Qwen3-0.6B shape in bf16, 128 × 64-token prompts, 256 new tokens: ms per decode step for
                      HF static-cache compiled generate, fast eager, fast + graphs, fast + compile + graphs (also
-                     fused, with flex, split and cuDNN attention; each after a warm-up call), engine-vs-trainer mismatch
+                     fused, with flex, split and cuDNN attention, the fused draw, all three; each after a warm-up
+                     call), engine-vs-trainer mismatch
                      (mean |Δ|), greedy agreement with HF
   flex_*             rollout.fast.attention=flex (compiled flex_attention at decode steps; eager on the CPU), small
                      fp32 model: greedy = HF generate (flex_greedy_fp32); sampled tokens = the SDPA path's and
                      log-probs within 1e-5 (flex_vs_sdpa); after an in-place optimizer step (flex_after_step)
   split_*            the same three checks with rollout.fast.attention=split (gearlab's split-K Triton kernel)
+  fused_sampler      rollout.fast.sampler=fused, small fp32 model: the torch sampler's tokens, log-probs within 1e-5
   flex_long          the 0.6B shape in bf16 at long caches (64-token prompts, 1,024 new tokens) and small batches:
                      ms per decode step, SDPA vs flex vs split (graphs), each one's engine-vs-trainer mismatch, and
                      the flex kernels an uncaptured step launches (Inductor's flex decoding kernel or not)
@@ -144,6 +146,22 @@ def check_split(res: dict) -> None:
     _check_attention(res, "split")
 
 
+def check_fused_sampler(res: dict) -> None:
+    """rollout.fast.sampler=fused (the one-pass Triton draw on a GPU) on the small fp32 model: the torch sampler's
+    tokens and log-probs within 1e-5, at temperatures 1 and 0.7."""
+    tok, model, eng, ids, mask = small_setup()
+    out = {}
+    for t in (1.0, 0.7):
+        sp = SamplingParams(max_new_tokens=48, temperature=t)
+        a = FastDecoder(tok, batch_size=128, sampler="fused").sample(model, ids, mask, sp, seed=3)
+        b = FastDecoder(tok, batch_size=128).sample(model, ids, mask, sp, seed=3)
+        same = a[0].shape == b[0].shape and torch.equal(a[0], b[0])
+        diff = float((a[2] - b[2])[b[1]].abs().max()) if same else float("nan")
+        out[f"T{t}"] = {"pass": bool(same and diff < 1e-5), "max_lp_diff": diff,
+                        "rows_equal": int((a[0] == b[0]).all(1).sum()) if a[0].shape == b[0].shape else 0}
+    res["fused_sampler"] = out
+
+
 def step_then_decode(fast, model, ids, mask, sp, a) -> dict:
     """One in-place optimizer step on the rollout ``a``, then a rollout through the graphs captured before it: its
     log-probs against the trainer's."""
@@ -205,7 +223,9 @@ def check_06b(res: dict) -> None:
                      ("fast_compiled_graphs_fused", dict(compile=True, fused=True)),
                      ("fast_compiled_graphs_flex", dict(compile=True, attention="flex")),
                      ("fast_compiled_graphs_split", dict(compile=True, attention="split")),
-                     ("fast_compiled_graphs_cudnn", dict(compile=True, attention="sdpa_auto"))):
+                     ("fast_compiled_graphs_cudnn", dict(compile=True, attention="sdpa_auto")),
+                     ("fast_compiled_graphs_fused_sampler", dict(compile=True, sampler="fused")),
+                     ("fast_compiled_graphs_all", dict(compile=True, attention="split", fused=True, sampler="fused"))):
         if name != "fast_eager" and DEV.type != "cuda":
             continue
         gen = FastDecoder(tok, batch_size=len(ids), **kw)
@@ -271,8 +291,8 @@ def log_flex_decoding_choices() -> None:
     log.addHandler(Keep(logging.DEBUG))
 
 
-CHECKS = {"check_small": check_small, "check_flex": check_flex, "check_split": check_split, "check_06b": check_06b,
-          "check_flex_long": check_flex_long}
+CHECKS = {"check_small": check_small, "check_flex": check_flex, "check_split": check_split,
+          "check_fused_sampler": check_fused_sampler, "check_06b": check_06b, "check_flex_long": check_flex_long}
 
 
 def main() -> None:

@@ -42,7 +42,8 @@ from gearlab.parallel.distributed import is_sharded, unsharded
 from gearlab.parallel.replica import DecodeReplica
 from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, row_seeds, stop_token_ids, trim_left
 from gearlab.rollout.decoder import Decoder, KVCache
-from gearlab.rollout.sampler import sample_rows
+from gearlab.rollout.fused_sample import SAMPLERS, fused_draw
+from gearlab.rollout.sampler import row_uniforms, sample_rows
 
 
 @dataclass
@@ -70,7 +71,7 @@ class FastDecoder:
 
     def __init__(self, tokenizer: Any, *, batch_size: int = 64, cuda_graphs: str = "auto", bucket: int = 64,
                  check_every: int = 8, compile: bool | None = None, sharded_weights: str = "gather",
-                 fused: bool = False, attention: str = "sdpa") -> None:
+                 fused: bool = False, attention: str = "sdpa", sampler: str = "torch") -> None:
         self.tok = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer)
@@ -80,7 +81,10 @@ class FastDecoder:
         self.check_every = check_every
         self.compile = compile  # None: on with CUDA (resolved per policy, in _decoder_for)
         self.fused = fused  # q/k/v and gate/up as one GEMM each over copies refreshed at every call (Decoder)
-        self.attention = attention  # sdpa | flex: a decode step's attention (Decoder, gearlab.rollout.attention)
+        self.attention = attention  # a decode step's attention (Decoder, gearlab.rollout.attention / split_decode)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"rollout.fast.sampler: {sampler!r} is not one of {', '.join(SAMPLERS)}")
+        self.sampler = sampler  # torch | fused: plain sampling's draw (gearlab.rollout.fused_sample)
         self._runs: dict[tuple, _Run] = {}
         self._decoder: Decoder | None = None
         self._pool = None
@@ -101,6 +105,7 @@ class FastDecoder:
         f = cfg.rollout.fast
         return cls(tokenizer, batch_size=cfg.rollout.batch_size, cuda_graphs=f.cuda_graphs, bucket=f.bucket,
                    check_every=f.check_every, compile=f.compile, fused=f.fused_projections, attention=f.attention,
+                   sampler=f.sampler,
                    sharded_weights=f.sharded_weights if training else "gather")
 
     # -- the TokenGenerator protocol ------------------------------------------------------------
@@ -302,8 +307,12 @@ class FastDecoder:
 
     def _emit(self, run: _Run, logits: Tensor, sp: SamplingParams) -> None:
         """Sample token ``run.step`` from logits [B, V], record it, advance the step (no host sync)."""
-        tok, lp = sample_rows(logits, run.seeds, run.step + run.offsets, temperature=sp.temperature, top_k=sp.top_k,
-                              top_p=sp.top_p, greedy=sp.greedy)
+        step = run.step + run.offsets
+        if self.sampler == "fused" and not (sp.greedy or sp.top_k or sp.top_p < 1.0):
+            tok, lp = fused_draw(logits, row_uniforms(run.seeds, step), sp.temperature)
+        else:
+            tok, lp = sample_rows(logits, run.seeds, step, temperature=sp.temperature, top_k=sp.top_k,
+                                  top_p=sp.top_p, greedy=sp.greedy)
         tok = torch.where(run.done, self.pad_id, tok)
         lp = lp.masked_fill(run.done, 0.0)
         at = run.step.reshape(1)

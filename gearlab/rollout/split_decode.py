@@ -24,18 +24,13 @@ the CPU through Triton's interpreter (``TRITON_INTERPRET=1``; ``tests/rollout/te
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
-BLOCK_N = 64  # key positions per tile: the fast decoder's buckets are multiples of 64
+from gearlab.rollout.kernels import kernel_available, triton
 
-try:  # Triton ships with CUDA builds of torch; CPU builds have none (the reference runs)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+BLOCK_N = 64  # key positions per tile
 
 
 def split_count(batch: int, kv_heads: int, length: int, sms: int) -> int:
@@ -77,6 +72,7 @@ def split_decode_reference(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
 
 
 if triton is not None:
+    import triton.language as tl
 
     @triton.jit
     def _partial(Q, K, V, VIS, ACC, ML, scale, L, chunk, G,
@@ -165,13 +161,6 @@ def split_decode_triton(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale:
         IEEE=k.dtype == torch.float32)
     _merge[(B * H,)](acc, ml, out, out.stride(0), out.stride(1), H=H, SPLITS=splits, D=D)
     return out
-
-
-def kernel_available(device: torch.device) -> bool:
-    """Whether the Triton kernels run for tensors on ``device`` (CUDA with Triton, or Triton's interpreter)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class SplitDecode:

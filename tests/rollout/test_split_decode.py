@@ -71,7 +71,8 @@ _KERNEL_CHECK = """
 import json, sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from test_split_decode import SHAPES, _inputs
-from gearlab.rollout.split_decode import kernel_available, split_decode_reference, split_decode_triton
+from gearlab.rollout.kernels import kernel_available
+from gearlab.rollout.split_decode import split_decode_reference, split_decode_triton
 assert kernel_available(torch.device("cpu"))
 out = []
 for dtype in (torch.float32, torch.float16):
