@@ -213,13 +213,24 @@ def test_a_flex_decode_step_gives_the_sdpa_steps_logits_and_masked_positions_do_
     ids, mask = _prompts(vocab)
     sdpa, flex = Decoder(model), Decoder(model, attention="flex")
     flex.flex = FlexDecode(compiled=compiled)
-    L, at = 20, 12
+    torch._dynamo.reset()  # (a graph compiled by another test, e.g. under autocast, is not this one's)
+    with _inductor_at_avx512(compiled):
+        ours, ref = step_over_junk(sdpa, flex, ids, mask)
+    assert torch.allclose(ours, ref, atol=2e-5), (ours - ref).abs().max()
+    assert set(flex.flex._masks) == {(20, torch.device("cpu"))}  # one block mask for the bucket, reused
+
+
+def step_over_junk(sdpa: Decoder, dec: Decoder, ids: torch.Tensor, mask: torch.Tensor, L: int = 20, at: int = 12):
+    """One decode step over an ``L``-position bucket of a 24-position cache holding ``at`` left-padded prompt
+    positions: SDPA's logits on the clean cache and ``dec``'s on a copy with 1e4 · N(0, 1) in every masked position
+    (the left padding, the bucket's unfilled tail, the cache past it). Asserts that SDPA ignores the junk too and
+    that both write the same keys and values. Returns (dec's logits, SDPA's)."""
     visible = torch.cat([mask.bool(), torch.ones(3, L - at, dtype=torch.bool)], 1) & (torch.arange(L) <= at)
     nxt = torch.tensor([[7], [8], [9]])
 
-    def step(dec, cache):
-        h = dec.forward(nxt, mask.sum(1, keepdim=True), cache, torch.tensor([at]), L, visible[:, None, None, :])
-        return dec.logits(h)
+    def step(d, cache):
+        h = d.forward(nxt, mask.sum(1, keepdim=True), cache, torch.tensor([at]), L, visible[:, None, None, :])
+        return d.logits(h)
 
     with torch.no_grad():
         clean = sdpa.new_cache(3, 24)
@@ -232,11 +243,8 @@ def test_a_flex_decode_step_gives_the_sdpa_steps_logits_and_masked_positions_do_
             junk = 1e4 * torch.randn(t.shape, generator=g)
             t.copy_(torch.where(hidden[:, None, :, None], junk, t))
         ref = step(sdpa, clean)
-        torch._dynamo.reset()  # (a graph compiled by another test, e.g. under autocast, is not this one's)
-        with _inductor_at_avx512(compiled):
-            ours = step(flex, dirty)
-        assert torch.allclose(ours, ref, atol=2e-5), (ours - ref).abs().max()
+        ours = step(dec, dirty)
         assert torch.allclose(step(sdpa, dirty), ref, atol=2e-5)  # (the junk is masked for SDPA too)
         for a, b in zip(dirty.keys + dirty.values, clean.keys + clean.values):
             assert torch.allclose(a[:, :, at], b[:, :, at], atol=2e-5)
-        assert set(flex.flex._masks) == {(L, torch.device("cpu"))}  # one block mask for the bucket, reused
+    return ours, ref

@@ -110,8 +110,8 @@ def test_a_decoder_step_with_split_attention_gives_the_sdpa_steps_logits(tiny_mo
     """Decoder(attention="split"), one decode step over a 20-position bucket of a 24-position cache holding 12
     left-padded prompt positions, with 1e4 · N(0, 1) junk in every masked cache position (the padding, the bucket's
     unfilled tail, the cache past it): SDPA's logits to 2e-5 (fp32), the same keys and values written."""
-    from gearlab.rollout.decoder import Decoder, KVCache
-    from tests.rollout.test_decoder import _llama, _llama_mha, _prompts
+    from gearlab.rollout.decoder import Decoder
+    from tests.rollout.test_decoder import _llama, _llama_mha, _prompts, step_over_junk
 
     vocab = len(tokenizer)
     model = {"qwen3": lambda: tiny_model_factory(0).eval(), "llama_gqa": lambda: _llama(vocab),
@@ -119,27 +119,8 @@ def test_a_decoder_step_with_split_attention_gives_the_sdpa_steps_logits(tiny_mo
     ids, mask = _prompts(vocab)
     sdpa, split = Decoder(model), Decoder(model, attention="split")
     assert split.split is not None and sdpa.split is None
-    L, at = 20, 12
-    visible = torch.cat([mask.bool(), torch.ones(3, L - at, dtype=torch.bool)], 1) & (torch.arange(L) <= at)
-    nxt = torch.tensor([[7], [8], [9]])
-
-    def step(dec, cache):
-        h = dec.forward(nxt, mask.sum(1, keepdim=True), cache, torch.tensor([at]), L, visible[:, None, None, :])
-        return dec.logits(h)
-
-    with torch.no_grad():
-        clean = sdpa.new_cache(3, 24)
-        sdpa.prefill(ids, mask, clean)
-        dirty = KVCache([k.clone() for k in clean.keys], [v.clone() for v in clean.values])
-        g = torch.Generator().manual_seed(3)
-        hidden = ~torch.cat([mask.bool(), torch.ones(3, 24 - at, dtype=torch.bool)], 1)
-        hidden[:, at + 1:] = True
-        for t in dirty.keys + dirty.values:
-            t.copy_(torch.where(hidden[:, None, :, None], 1e4 * torch.randn(t.shape, generator=g), t))
-        ref, ours = step(sdpa, clean), step(split, dirty)
-        assert torch.allclose(ours, ref, atol=2e-5), (ours - ref).abs().max()
-        for a, b in zip(dirty.keys + dirty.values, clean.keys + clean.values):
-            assert torch.allclose(a[:, :, at], b[:, :, at], atol=2e-5)
+    ours, ref = step_over_junk(sdpa, split, ids, mask)
+    assert torch.allclose(ours, ref, atol=2e-5), (ours - ref).abs().max()
 
 
 @pytest.mark.parametrize("shapes", ["off", "on"])
