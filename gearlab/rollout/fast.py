@@ -332,6 +332,8 @@ class FastDecoder:
         pos = (run.n_prompt + run.step - 1)[:, None]
         visible = run.key_ok[:, :length] & (torch.arange(length, device=at.device) <= at)
         hidden = dec.forward(run.tok[:, None], pos, run.cache, at.reshape(1), length, visible[:, None, None, :])
+        if self.sampler == "fused":  # the head's own dtype: the draw reads it once (no float32 copy of [B, V])
+            return dec.head(hidden)
         return dec.logits(hidden)
 
     def _ensure_graphs(self, dec: Decoder, run: _Run, sp: SamplingParams, key: tuple) -> None:

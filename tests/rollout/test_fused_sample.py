@@ -96,11 +96,14 @@ def test_the_triton_kernels_equal_the_reference_and_repeat_their_bits():
         assert r["same_tokens"] and r["same_bits"] and r["lp_err"] < 1e-5 and r["row0_token"] < 5, r
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.8])
+@pytest.mark.parametrize("temperature,bf16", [(1.0, False), (0.8, False), (1.0, True)])
 def test_a_fast_rollout_with_the_fused_draw_gives_the_torch_samplers_tokens(tiny_model_factory, tokenizer,
-                                                                            temperature):
+                                                                            temperature, bf16):
     """rollout.fast.sampler=fused: 7 prompts × 16 sampled tokens (CUDA-graph shapes) equal the torch sampler's,
-    their log-probs within 1e-5 (fp32); greedy and top-p calls keep the torch path."""
+    their log-probs within 1e-5 — in fp32, and under bf16 autocast, where the draw reads the head's bf16 logits
+    (no float32 copy) and the torch sampler their float32 copy."""
+    from contextlib import nullcontext
+
     from gearlab.rollout.base import SamplingParams
     from gearlab.rollout.fast import FastDecoder
     from gearlab.rollout.hf import HFRolloutEngine
@@ -110,9 +113,10 @@ def test_a_fast_rollout_with_the_fused_draw_gives_the_torch_samplers_tokens(tiny
     task = get_task("arith")
     ids, mask = HFRolloutEngine(tokenizer, task, batch_size=8).encode_prompts(task.problems("train", 7, seed=2))
     sp = SamplingParams(max_new_tokens=16, temperature=temperature)
-    ref = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs="on").sample(model, ids, mask, sp, seed=11)
-    out = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs="on", sampler="fused").sample(
-        model, ids, mask, sp, seed=11)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
+        ref = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs="on").sample(model, ids, mask, sp, seed=11)
+        out = FastDecoder(tokenizer, batch_size=4, bucket=8, cuda_graphs="on", sampler="fused").sample(
+            model, ids, mask, sp, seed=11)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     assert (out[2] - ref[2])[ref[1]].abs().max() < 1e-5
     with pytest.raises(ValueError, match="rollout.fast.sampler"):
