@@ -61,7 +61,7 @@ if triton is not None:
     def _block_stats(X, STATS, V, sx, inv_t, NB: tl.constexpr, PER: tl.constexpr, TB: tl.constexpr,
                      BLOCK_V: tl.constexpr):
         """Row b, blocks [c·PER, (c+1)·PER) in tiles of TB blocks: each block's max and Σ exp(z - max)."""
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # (rows × vocabulary pass 2^31 elements at ~14k rows)
         c = tl.program_id(1)
         t = tl.arange(0, TB)
         k = tl.arange(0, BLOCK_V)
@@ -80,7 +80,7 @@ if triton is not None:
     @triton.jit
     def _search(X, STATS, U, TOK, LP, V, sx, inv_t, NB: tl.constexpr, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
         """Row b: the global max, the total mass, the block holding u · total, the token inside it."""
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, TILE)
         top = tl.max(tl.full((TILE,), float("-inf"), tl.float32), 0)
         for j0 in range(0, NB, TILE):

@@ -82,7 +82,7 @@ if triton is not None:
         """One (row, K/V head, chunk): running softmax of the group's G query heads over the chunk's keys."""
         bh = tl.program_id(0)
         s = tl.program_id(1)
-        b = bh // H_KV
+        b = (bh // H_KV).to(tl.int64)  # (row offsets of a large cache pass 2^31 elements)
         hk = bh % H_KV
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
@@ -115,7 +115,7 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv).to(tl.float32)
             m = m_new
-        row = (b * H_KV * G + head) * SPLITS + s  # ACC [B, H, SPLITS, D], ML [B, H, SPLITS, 2]
+        row = (b * H_KV * G + head) * SPLITS + s  # ACC [B, H, SPLITS, D], ML [B, H, SPLITS, 2] (int64: b is)
         tl.store(ACC + row[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
         tl.store(ML + row * 2, m, mask=g < G)
         tl.store(ML + row * 2 + 1, lsum, mask=g < G)
@@ -124,10 +124,10 @@ if triton is not None:
     def _merge(ACC, ML, OUT, so_b, so_h, H: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
         """One (row, query head): the chunks' partial softmaxes merged in chunk order."""
         bh = tl.program_id(0)
-        b = bh // H
+        b = (bh // H).to(tl.int64)
         h = bh % H
         d = tl.arange(0, D)
-        first = bh * SPLITS
+        first = bh.to(tl.int64) * SPLITS
         top = tl.load(ML + first * 2)
         for s in range(1, SPLITS):
             top = tl.maximum(top, tl.load(ML + (first + s) * 2))
