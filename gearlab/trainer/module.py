@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import time
 import zlib
 from typing import Any
@@ -33,6 +32,8 @@ from gearlab.core.sdpa import differentiable_attention
 from gearlab.rollout.base import SamplingParams, step_seed
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.provider import SignalProvider
+from gearlab.trainer.batching import micro_batches, tiled_mini_batches
+from gearlab.trainer.schedule import lr_factor
 from gearlab.trainer.teacher import Teacher, needs_teacher
 from gearlab.tasks.base import Task
 
@@ -593,61 +594,6 @@ def _grads_finite(model: nn.Module) -> bool:
     flags = [torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all()
              for g in (p.grad for p in model.parameters()) if g is not None]
     return bool(torch.stack(flags).all()) if flags else True
-
-
-def tiled_mini_batches(n_rows: int, mini_batches: int, micro: int, generator: torch.Generator) -> list[list[Tensor]]:
-    """The rows 0..n_rows-1 of a global batch as ``mini_batches`` mini-batches, each a list of micro-batches (global
-    row ids [≤ micro] int64): the rows are cut into consecutive tiles of ``micro × mini_batches`` rows, and a seeded
-    permutation of each tile gives every mini-batch ``micro`` of its rows, one micro-batch (a last, shorter tile is
-    split as evenly as it goes). With one mini-batch: consecutive runs of ``micro`` rows, in order.
-
-    Why tiles: a rank owns a contiguous run of global rows, so when that run is whole tiles (``micro ×
-    mini_batches`` divides each rank's rows) each rank forms exactly the micro-batches that one process forms over
-    the whole batch. Under bf16 autocast every backward pass rounds its weight gradients to bfloat16, so which rows
-    share a pass matters: the same passes on 1 and N processes give the same run up to float32 sums."""
-    out: list[list[Tensor]] = [[] for _ in range(mini_batches)]
-    tile = micro * mini_batches
-    for s in range(0, n_rows, tile):
-        rows = torch.arange(s, min(s + tile, n_rows))
-        if mini_batches > 1:
-            rows = rows[torch.randperm(rows.numel(), generator=generator)]
-        for k, part in enumerate(rows.tensor_split(mini_batches)):
-            if part.numel():
-                out[k].append(part)
-    return out
-
-
-def micro_batches(idx: Tensor, lengths: Tensor, max_seqs: int, max_tokens: int = 0) -> list[Tensor]:
-    """Split the row indices ``idx`` [n] of an optimizer step into micro-batches, in order.
-
-    max_tokens = 0: fixed ``max_seqs`` rows each. max_tokens > 0 (dynamic batch size): as many rows as fit
-    in ``max_tokens`` real tokens (``lengths`` [n], prompt + response, padding excluded) and at most
-    ``max_seqs``; a row longer than the budget goes alone. The loss is normalised by global counts, so
-    the split changes memory and speed, never the gradient.
-    """
-    if max_tokens <= 0:
-        return [idx[s : s + max_seqs] for s in range(0, idx.numel(), max_seqs)]
-    out, cur, used = [], [], 0
-    for i, n in zip(idx.tolist(), lengths.tolist()):
-        if cur and (used + n > max_tokens or len(cur) >= max_seqs):
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        out.append(cur)
-    return [torch.tensor(c, dtype=torch.long, device=idx.device) for c in out]
-
-
-def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the base LR at optimizer step ``step`` (linear warmup, then constant/cosine/linear decay)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
-    return min_ratio + (1 - min_ratio) * decay
 
 
 def _to_container(cfg: Config) -> dict:

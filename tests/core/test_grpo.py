@@ -418,39 +418,6 @@ def test_two_process_ddp_matches_full_batch(tmp_path):
             assert_close_to(g, p.grad, atol=1e-10)
 
 
-def test_micro_batches_by_token_budget():
-    from gearlab.trainer.module import micro_batches
-
-    idx = torch.tensor([5, 2, 7, 1, 0])
-    lengths = torch.tensor([12, 7, 10, 25, 4])
-    assert [c.tolist() for c in micro_batches(idx, lengths, 2)] == [[5, 2], [7, 1], [0]]
-    # ≤ 20 real tokens and ≤ 2 rows per micro-batch; a 25-token row goes alone; order kept
-    assert [c.tolist() for c in micro_batches(idx, lengths, 2, 20)] == [[5, 2], [7], [1], [0]]
-    assert [c.tolist() for c in micro_batches(idx, lengths, 1, 100)] == [[5], [2], [7], [1], [0]]
-
-
-def test_tiled_mini_batches_partition_the_batch_into_the_same_passes_on_any_rank_count():
-    from gearlab.trainer.module import tiled_mini_batches
-
-    g = torch.Generator().manual_seed(0)
-    assert [[c.tolist() for c in mb] for mb in tiled_mini_batches(8, 1, 3, g)] == [[[0, 1, 2], [3, 4, 5], [6, 7]]]
-    plan = tiled_mini_batches(32, 2, 4, torch.Generator().manual_seed(3))  # tiles of 8 rows, 4 to each mini-batch
-    rows = [r for mb in plan for c in mb for r in c.tolist()]
-    assert sorted(rows) == list(range(32))  # a partition
-    for mb in plan:
-        assert [len(c) for c in mb] == [4, 4, 4, 4]
-        assert [sorted({r // 8 for r in c.tolist()}) for c in mb] == [[0], [1], [2], [3]]  # one tile each
-    assert plan[0][0].tolist() != sorted(plan[0][0].tolist()) or plan[1][0].tolist() != sorted(plan[1][0].tolist())
-    # ranks owning 16 rows each (whole tiles) hold exactly the micro-batches of the whole batch
-    for first in (0, 16):
-        for mb in plan:
-            mine = [c for c in mb if first <= int(c[0]) < first + 16]
-            assert all(((c >= first) & (c < first + 16)).all() for c in mine) and len(mine) == 2
-    # a last, shorter tile is split as evenly as it goes
-    assert [[len(c) for c in mb] for mb in tiled_mini_batches(11, 2, 4, torch.Generator().manual_seed(1))] == [
-        [4, 2], [4, 1]]
-
-
 def test_engine_mismatch_and_truncated_is_hand_values():
     from gearlab.core.grpo import engine_mismatch
 

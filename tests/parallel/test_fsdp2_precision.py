@@ -1,7 +1,7 @@
 """FSDP2 under bf16-mixed computes what one unsharded process computes under bf16 autocast (2 processes, gloo,
 CPU autocast): the same logits and the same gradients to the bit, where one process's backward passes hold the
 rows each rank holds (bf16 autocast rounds each pass's weight gradients to bfloat16, so which rows share a pass
-matters: the trainer's micro-batches, gearlab.trainer.module.tiled_mini_batches). With FSDP2's usual all-bfloat16
+matters: the trainer's micro-batches, gearlab.trainer.batching.tiled_mini_batches). With FSDP2's usual all-bfloat16
 gathering the embedding and norms would be bfloat16 and the logits differ (checked too, so the comparison can
 tell)."""
 from __future__ import annotations
