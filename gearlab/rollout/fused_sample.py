@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from gearlab.rollout.kernels import kernel_available, triton
+from gearlab.rollout.sampler import BLOCK  # tokens per block: the same blocks as sampler.inverse_cdf
 
-BLOCK = 128  # tokens per block: the same blocks as sampler.inverse_cdf
 _EDGE = 1.0 - 2.0**-23  # targets stay strictly inside an interval (sampler.inverse_cdf)
 SAMPLERS = ("torch", "fused")  # rollout.fast.sampler
 
@@ -78,7 +78,8 @@ if triton is not None:
             tl.store(STATS + (b * NB + blk) * 2 + 1, s, mask=keep)
 
     @triton.jit
-    def _search(X, STATS, U, TOK, LP, V, sx, inv_t, NB: tl.constexpr, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _search(X, STATS, U, TOK, LP, V, sx, inv_t, NB: tl.constexpr, TILE: tl.constexpr, BLOCK_V: tl.constexpr,
+                EDGE: tl.constexpr):
         """Row b: the global max, the total mass, the block holding u · total, the token inside it."""
         b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, TILE)
@@ -92,7 +93,7 @@ if triton is not None:
             m = tl.load(STATS + (b * NB + j0 + i) * 2, mask=ok, other=float("-inf"))
             s = tl.load(STATS + (b * NB + j0 + i) * 2 + 1, mask=ok, other=0.0)
             total = tl.max(tl.where(ok, tl.cumsum(s * tl.exp(m - top), 0) + total, 0.0), 0)
-        target = tl.minimum(tl.load(U + b) * total, total * 0.99999988079071044921875)  # _EDGE
+        target = tl.minimum(tl.load(U + b) * total, total * EDGE)
         # the block: the number of blocks whose running mass is <= target (searchsorted, right)
         prefix = total * 0.0
         j = prefix.to(tl.int32)
@@ -112,7 +113,7 @@ if triton is not None:
         col = j * BLOCK_V + k
         z = tl.load(X + b * sx + col, mask=col < V, other=float("-inf")).to(tl.float32) * inv_t
         inside = tl.cumsum(tl.exp(z - top), 0)
-        r = tl.minimum(tl.maximum(target - before, 0.0), tl.max(inside, 0) * 0.99999988079071044921875)
+        r = tl.minimum(tl.maximum(target - before, 0.0), tl.max(inside, 0) * EDGE)
         tok = j * BLOCK_V + tl.sum((inside <= r).to(tl.int32), 0)
         z_tok = tl.load(X + b * sx + tok).to(tl.float32) * inv_t
         tl.store(TOK + b, tok.to(tl.int64))
@@ -135,7 +136,7 @@ def draw_triton(logits: Tensor, u: Tensor, temperature: float) -> tuple[Tensor, 
     _block_stats[(B, math.ceil(nb / per))](logits, stats, V, logits.stride(0), inv_t, NB=nb, PER=per, TB=TB,
                                            BLOCK_V=BLOCK)
     _search[(B,)](logits, stats, u.float().contiguous(), tok, lp, V, logits.stride(0), inv_t, NB=nb, TILE=1024,
-                  BLOCK_V=BLOCK)
+                  BLOCK_V=BLOCK, EDGE=_EDGE)
     return tok, lp
 
 
