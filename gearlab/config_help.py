@@ -1,6 +1,6 @@
 """Help text of the typed config: every key of chosen ``Config`` sections with its type, default and doc.
 
-The docs are the comments written next to each field in ``gearlab/config.py`` (the lines directly above a field
+The docs are the comments written next to each field in ``gearlab/config_schema.py`` (the lines directly above a field
 and the comment at the end of its line), read from the module's source with ``ast`` + ``tokenize``, so the
 schema stays the one place where a key is declared and explained.
 """
@@ -18,6 +18,7 @@ import typing
 from typing import Any, Sequence
 
 from gearlab import config as config_module
+from gearlab import config_schema
 
 _OPTIONAL = re.compile(r"^Optional\[(.*)\]$")
 
@@ -34,10 +35,10 @@ class KeyDoc:
 
 @functools.lru_cache(maxsize=1)
 def _field_docs() -> dict[str, dict[str, tuple[str, str]]]:
-    """class name -> field name -> (type as written, doc from its comments), parsed from config.py's source.
+    """class name -> field name -> (type as written, doc from its comments), parsed from config_schema.py's source.
     Empty when the source is not available (a byte-code-only install): the keys are then listed without docs."""
     try:
-        source = inspect.getsource(config_module)
+        source = inspect.getsource(config_schema)
     except (OSError, TypeError):
         return {}
     comments: dict[int, str] = {}  # line number -> comment text

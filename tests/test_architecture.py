@@ -17,8 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # bottom to top: a package may import only packages listed before it (and itself)
-LAYERS = ["cpu_kernels", "plugins", "errors", "stopping", "envs", "parallel", "core", "config", "config_help", "tasks",
-          "signals", "credit", "rollout", "models", "trainer", "commands", "cli"]
+LAYERS = ["cpu_kernels", "plugins", "errors", "stopping", "envs", "parallel", "core", "config_schema", "config",
+          "config_help", "tasks", "signals", "credit", "rollout", "models", "trainer", "commands", "cli"]
 SHIMS = {"grpo", "batch", "logprobs"}  # the public API's stable top-level paths, re-exporting gearlab.core
 
 

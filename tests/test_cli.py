@@ -22,7 +22,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_train_help_lists_its_keys_with_type_default_and_doc(capsys):
     rc, out, _ = _run(capsys, "train", "--help")
     assert rc == 0
-    # one row: key, type, default, then the comment written beside the field in gearlab/config.py
+    # one row: key, type, default, then the comment written beside the field in gearlab/config_schema.py
     assert re.search(r"^  optim\.lr +float += 0\.0001 +right for the 1\.2M-param embedded model; use ~1e-6", out, re.M)
     # a comment above a field is its doc too (two lines, joined)
     row = next(ln for ln in out.splitlines() if ln.startswith("  model.name_or_path "))

@@ -30,6 +30,14 @@ else
   # compare.* settings are not part of a child's configuration, so one and two cards can share a comparison
   NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   (( NG > 1 )) && set -- "compare.workers=$(( ${WORKERS_PER_GPU:-3} * NG ))" "$@"
+  # MPS=1: the children's kernels run side by side through CUDA's Multi-Process Service instead of time-sliced
+  # (the same bits: experiments/gpu/mps_probe.sh checks it on the card first); the daemon lives until the machine goes
+  if [[ ${MPS:-0} == 1 ]]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1 || setsid nvidia-cuda-mps-control -d
+    echo "MPS: control daemon in $CUDA_MPS_PIPE_DIRECTORY"
+  fi
   setsid gearlab compare experiment="$EXP" trainer.output_dir="$R" "$@" >> "$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDF"
 fi

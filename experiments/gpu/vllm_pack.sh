@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CPU side of bringing vLLM 0.25.0 (the CUDA 13 build, pins torch==2.11.0) onto the lent GPU machine, which has no
-# network and gets files only inside a device call's working tree (64 MiB a call, the repo itself ~8 MiB).
+# network and gets files only inside a device call's working tree (64 MiB a call, the repo itself ~19 MiB).
 # Run here, on the CPU machine, from anywhere:   bash experiments/gpu/vllm_pack.sh
 # It writes, under .vllm_pieces/ (git-ignored):
 #   wheels/core, wheels/extra   the downloaded wheels (cp312, manylinux, --no-deps; kept as a download cache)
@@ -18,11 +18,11 @@
 # With XZ=1 the wheels are rewritten uncompressed (ZIP_STORED: same files, same RECORD hashes) so that xz sees the
 # raw bytes; with XZ=0 they stay zip-deflated and the tar is not compressed.
 #
-# Settings (environment): PIECE_MIB=54  XZ=1 (0: plain tar, no compression)  TIERS="core extra"  PYTHON=python3
+# Settings (environment): PIECE_MIB=42 (with the ~19 MiB repo; the core tier is still 2 pieces)  XZ=1 (0: plain tar, no compression)  TIERS="core extra"  PYTHON=python3
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
-PIECE_MIB=${PIECE_MIB:-54}
+PIECE_MIB=${PIECE_MIB:-42}
 XZ=${XZ:-1}
 TIERS=${TIERS:-core extra}
 OUT=.vllm_pieces
