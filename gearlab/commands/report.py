@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from gearlab.commands.report_rows import (ALPHA, POWER, TOOL_METRICS, Collected,
                                           method_row, pairing_line)
 from gearlab.core.power import t_interval
 from gearlab.trainer.provenance import TAG_PREFIX
+from gearlab.trainer.tracking import moved_artifact_dir
 
 DEFAULT_METRIC = "eval/greedy_accuracy"
 
@@ -121,7 +123,8 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
     out.mkdir(parents=True, exist_ok=True)
     pct = _pct(metric)
     labelled = {f"{a}-s{s}": finished[(a, s)] for a in order for s in sorted(s_ for a_, s_ in finished if a_ == a)}
-    table, credit, mismatch, unknown, warnings = _tables(client, rows, data, labelled, metric, baseline, target, pct)
+    table, credit, mismatch, unknown, warnings = _tables(client, rows, data, labelled, metric, baseline, target, pct,
+                                                         tracking)
     table += "\n\n" + "\n".join([learning_line(rows, pct), *power_lines(rows, baseline, effect, pct),
                                   pairing_line(client, finished)])
     plot = out / "curves.png"
@@ -142,11 +145,22 @@ def build_report(tracking: str, comparison: str, *, metric: str | None = None, b
         "rows": rows, "missing": missing, "version_mismatch": mismatch, "versions_unknown": unknown,
         "credit_eval": credit}, indent=2, default=str))
     if log_to_parent and parent is not None:
-        for f in (md, plot, out / "report.json", *extra_plots):
-            client.log_artifact(parent.info.run_id, str(f), "report")
+        _log_report_files(client, tracking, parent, [md, plot, out / "report.json", *extra_plots])
         log_headline(client, parent.info.run_id, rows)
         client.set_tag(parent.info.run_id, MLFLOW_RUN_NOTE, run_description(md.read_text()))
     return Report(table, md, plot, rows, missing, warnings, mismatch, credit)
+
+
+def _log_report_files(client: mlflow.MlflowClient, tracking: str, parent: Any, files: list[Path]) -> None:
+    """The report's files as the parent run's ``report/`` artifacts; in a SQLite store moved from elsewhere, beside
+    its database (:func:`moved_artifact_dir`), not under the absolute path recorded where it was made."""
+    moved = moved_artifact_dir(tracking, parent.info.artifact_uri)
+    for f in files:
+        if moved is None:
+            client.log_artifact(parent.info.run_id, str(f), "report")
+        else:
+            (moved / "report").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, moved / "report" / Path(f).name)
 
 
 def _primary_metric(parent: Any, metric: str | None) -> tuple[str, str]:
@@ -173,7 +187,7 @@ def _design(parent: Any, children: list[Any], baseline: str | None) -> tuple[str
 
 
 def _tables(client: mlflow.MlflowClient, rows: list[dict[str, Any]], data: Collected, labelled: dict[str, Any],
-            metric: str, baseline: str, target: float | None, pct: bool
+            metric: str, baseline: str, target: float | None, pct: bool, tracking: str | None = None
             ) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]], list[str], list[str]]:
     """The paired table, then (multi-turn) tool use, the credit-eval table and the version warnings — the order the
     console shows at the end of a comparison. Returns (text, credit-eval summary, mismatches, runs without version
@@ -184,7 +198,7 @@ def _tables(client: mlflow.MlflowClient, rows: list[dict[str, Any]], data: Colle
             tools = data.tool_final.get(row["assigner"], {})
             row["tool_use"] = {k: t_interval(v) + (len(v),) for k, v in tools.items()}
         table += "\n\n" + _tool_table(rows)
-    evals = credit_evals(client, labelled)
+    evals = credit_evals(client, labelled, tracking)
     credit = None
     if evals:
         credit_md, credit = credit_eval_table([d for _, d in evals])

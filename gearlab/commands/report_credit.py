@@ -12,6 +12,7 @@ from typing import Any
 import mlflow
 
 from gearlab.core.power import t_interval
+from gearlab.trainer.tracking import moved_artifact_dir
 
 CREDIT_EVAL_ARTIFACT = "credit_eval/credit_eval.json"
 # the table's columns: (key in credit_eval.json's "assigners" entries, header)
@@ -24,19 +25,28 @@ def _num(v: float | None) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
 
-def credit_evals(client: mlflow.MlflowClient, runs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def credit_evals(client: mlflow.MlflowClient, runs: dict[str, Any], tracking: str | None = None
+                 ) -> list[tuple[str, dict[str, Any]]]:
     """The ``credit_eval/credit_eval.json`` artifacts of the runs ({label: run}) that have one, as (label, dict);
-    a run without it (or with an unreadable one) is skipped."""
+    a run without it (or with an unreadable one) is skipped. ``tracking``: the store's URI, so that a SQLite store
+    moved from another folder or machine is read beside its database (:func:`moved_artifact_dir`)."""
     out = []
     folder, _, name = CREDIT_EVAL_ARTIFACT.rpartition("/")
     with tempfile.TemporaryDirectory() as tmp:
         for label, r in runs.items():
             try:
-                if not any(a.path == CREDIT_EVAL_ARTIFACT for a in client.list_artifacts(r.info.run_id, folder)):
-                    continue
-                dst = os.path.join(tmp, label)
-                os.makedirs(dst, exist_ok=True)
-                data = json.loads(Path(client.download_artifacts(r.info.run_id, CREDIT_EVAL_ARTIFACT, dst)).read_text())
+                moved = moved_artifact_dir(tracking, r.info.artifact_uri) if tracking else None
+                if moved is not None:
+                    path = moved / CREDIT_EVAL_ARTIFACT
+                    if not path.is_file():
+                        continue
+                else:
+                    if not any(a.path == CREDIT_EVAL_ARTIFACT for a in client.list_artifacts(r.info.run_id, folder)):
+                        continue
+                    dst = os.path.join(tmp, label)
+                    os.makedirs(dst, exist_ok=True)
+                    path = Path(client.download_artifacts(r.info.run_id, CREDIT_EVAL_ARTIFACT, dst))
+                data = json.loads(path.read_text())
             except Exception:  # noqa: BLE001 - a missing or broken artifact only leaves the table out
                 continue
             if isinstance(data, dict) and isinstance(data.get("assigners"), dict):

@@ -120,6 +120,28 @@ def artifact_location(tracking: str, experiment: str) -> str | None:
     return (Path(db).resolve().parent / "mlartifacts" / folder).as_uri()
 
 
+def moved_artifact_dir(tracking: str, artifact_uri: str) -> Path | None:
+    """A run's artifact folder in a SQLite store that was moved or copied from elsewhere (another folder, another
+    machine): its URIs still name the old absolute ``.../mlartifacts/<experiment>/<run>/artifacts``. When that folder
+    is missing, the same relative path beside the database here (:func:`artifact_location`'s layout), whether or not
+    it exists yet; None when the recorded folder exists, for other stores and for URIs outside an ``mlartifacts``
+    tree (MLflow then reads and writes where the URI says)."""
+    from urllib.parse import unquote, urlparse
+
+    if not (tracking.startswith("sqlite:///") and artifact_uri.startswith("file://")):
+        return None
+    db = tracking[len("sqlite:///"):].split("?", 1)[0]
+    if not db or db == ":memory:":
+        return None
+    recorded = Path(unquote(urlparse(artifact_uri).path))
+    parts = recorded.parts
+    if recorded.exists() or "mlartifacts" not in parts:
+        return None
+    i = len(parts) - 1 - parts[::-1].index("mlartifacts")
+    here = Path(db).resolve().parent / "mlartifacts"
+    return here.joinpath(*parts[i + 1:]) if Path(*parts[:i + 1]) != here else None
+
+
 def ensure_experiment(tracking: str, name: str, client: Any = None) -> str:
     """The id of MLflow experiment ``name`` at ``tracking``, created when missing (model-training kind,
     artifacts per :func:`artifact_location`), restored when deleted, and given the model-training kind

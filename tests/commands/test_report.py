@@ -235,6 +235,39 @@ def test_credit_eval_table_over_the_childrens_artifacts(tmp_path):
         assert "signals AUROC: entropy 0.650 ± 0.635 (n=2); saliency 0.550 (n=1)" in text
 
 
+def test_a_store_moved_to_another_folder_keeps_its_credit_table_and_takes_the_report_beside_its_database(tmp_path):
+    """A committed store extracted elsewhere (its runs' artifact URIs name the folder it was made in): the report
+    reads the children's credit-eval files and writes the parent's report beside the database it was given."""
+    import shutil
+
+    made = tmp_path / "made"
+    made.mkdir()
+    uri, client, pid, ids = _fake_comparison(made, "mv", FINALS)
+    client.log_artifact(ids[("gear", 0)], str(_credit_file(tmp_path, "a", CE_A)), "credit_eval")
+    client.log_artifact(ids[("gear", 1)], str(_credit_file(tmp_path, "b", CE_B)), "credit_eval")
+    here = tmp_path / "elsewhere" / "runs"
+    shutil.move(str(made), str(here))
+    rep = build_report(f"sqlite:///{here / 'mlflow.db'}", "mv", out_dir=tmp_path / "rep")
+    assert rep.credit_eval["runs"] == ["gear-s0", "gear-s1"] and rep.credit_eval["n_files"] == 2
+    assert "| gear     | 0.750 ± 0.635 (n=2) |" in rep.markdown_path.read_text()
+    assert not made.exists()  # nothing written under the recorded path
+    reports = sorted(p.name for p in (here / "mlartifacts").rglob("report/*"))
+    assert reports == ["curves.png", "report.json", "report.md"]
+
+
+def test_moved_artifact_dir_maps_only_a_missing_folder_of_an_mlartifacts_tree(tmp_path):
+    from gearlab.trainer.tracking import moved_artifact_dir
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    gone = "file:///nowhere/runs/mlartifacts/compare_x/abc/artifacts"
+    assert moved_artifact_dir(uri, gone) == tmp_path / "mlartifacts" / "compare_x" / "abc" / "artifacts"
+    (tmp_path / "kept").mkdir()
+    assert moved_artifact_dir(uri, (tmp_path / "kept").as_uri()) is None  # the recorded folder exists
+    assert moved_artifact_dir(uri, "file:///nowhere/artifacts") is None  # not an mlartifacts tree
+    assert moved_artifact_dir("http://127.0.0.1:5000", gone) is None  # a server resolves its own artifacts
+    assert moved_artifact_dir(uri, "s3://bucket/mlartifacts/x") is None
+
+
 def test_credit_eval_table_for_one_file_has_no_interval():
     md, summary = credit_eval_table([CE_A])
     assert "±" not in md and summary["n_files"] == 1
