@@ -73,3 +73,43 @@ def test_the_benchmarks_timing_hook_reads_what_the_trainer_logs(tmp_path):
     row = ("| 4b_d2_fast | qwen3-4b | 2 | fast (gather) | `trainer.compile=true` | 2–4 | 6.50 | 2.00 | 1.50 | 3.00 | "
            "7.25 | – | – | – | 41.0 |")
     assert row in table([tmp_path]).splitlines() and "Card: NVIDIA H200." in table([tmp_path])
+
+
+def test_a_benchmark_variant_over_its_time_limit_is_stopped_with_its_children(tmp_path):
+    """trl_vs_gearlab.run_child: a variant past --variant-timeout is recorded as stopped and its whole process group
+    (torch.compile's workers) killed, so the next variant runs alone; a finished one returns its result file."""
+    import json
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "experiments" / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        from trl_vs_gearlab import run_child
+    finally:
+        sys.path.remove(str(bench))
+    pid_file, part = tmp_path / "grandchild.pid", tmp_path / "part.json"
+    hang = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f" open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.monotonic()
+    assert run_child([sys.executable, "-c", hang], part, 3) == {"error": "stopped after 3 s (--variant-timeout)"}
+    assert time.monotonic() - t0 < 20
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # the killed grandchild is reaped by init; until then it may linger as a zombie
+        try:
+            os.kill(grandchild, 0)
+            state = Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the variant's own child survived its time limit")
+    write = f"import json; open({str(part)!r}, 'w').write(json.dumps({{'s_per_iter': 1.25}}))"
+    assert run_child([sys.executable, "-c", write], part, 30) == {"s_per_iter": 1.25}
+    failed = run_child([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "none.json", 0)
+    assert failed == {"error": "exit code 3"}
+    assert json.loads(part.read_text()) == {"s_per_iter": 1.25}

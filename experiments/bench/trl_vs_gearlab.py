@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,10 @@ def timed_module(base: type, times: list[dict]) -> type:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             times.append(t)
+            # as it happens: a variant cut off by its time limit still leaves its finished iterations in the log
+            ms = f", {t['fast/ms_per_step']:.2f} ms per decode step" if "fast/ms_per_step" in t else ""
+            print(f"[bench] iteration {len(times)}: rollout {t['time_rollout_s']:.2f} s, update "
+                  f"{t['time_update_s']:.2f} s{ms}", flush=True)
 
     return Timed
 
@@ -364,6 +369,20 @@ def markdown(res: dict) -> str:
     return "\n".join(rows + ([""] + ratios if ratios else [])) + "\n"
 
 
+def run_child(cmd: list[str], part: Path, timeout: float) -> dict:
+    """One variant's process (``--one``): its result file, else an error naming the exit code or the time limit. The
+    child runs in a process group of its own, so that a variant over ``timeout`` is stopped with its compile
+    workers."""
+    child = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rc = child.wait(timeout=timeout or None)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return {"error": f"stopped after {timeout:g} s (--variant-timeout)"}
+    return json.loads(part.read_text()) if rc == 0 and part.exists() else {"error": f"exit code {rc}"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=4)
@@ -373,6 +392,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile one decode step of the fast variants")
     ap.add_argument("--new", type=int, default=0,
                     help="new tokens per completion, forced to full length (default 256; issue 33's 1,024 and 2,048)")
+    ap.add_argument("--variant-timeout", type=float, default=0,
+                    help="seconds one variant may take (0: no limit); a variant over it is stopped, recorded as an "
+                         "error, and the next one runs")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     a = ap.parse_args()
     global NEW
@@ -397,9 +419,11 @@ def main() -> None:
         cmd = [
             sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part), "--new", str(NEW)
         ] + (["--profile"] if a.profile else [])
-        rc = subprocess.run(cmd).returncode
-        res[n] = json.loads(part.read_text()) if rc == 0 and part.exists() else {"error": f"exit code {rc}"}
+        res[n] = run_child(cmd, part, a.variant_timeout)
         print(json.dumps({n: res[n]}), flush=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))  # after every variant: a later one cut off loses only itself
+        if a.md:
+            Path(a.md).write_text(markdown(res))
     for g in [n for n in names if n.startswith("gearlab")]:
         for t in [n for n in names if n.startswith("trl")]:
             if "s_per_iter" in res[g] and "s_per_iter" in res[t]:
