@@ -370,20 +370,7 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
                 f"key 'rollout.engine': fast decoding cannot run this model: {reason} (use rollout.engine=hf)"
             )
     check_engine(cfg, run_state, rdir)
-    # config.yaml is the run's record, as its MLflow params: written when the run starts, and on resume left as it
-    # is (keys free to differ, gearlab.trainer.resume, are not history) but for a raised trainer.max_steps
-    extending = run_state.extends(cfg)
-    if not run_state.exists:
-        cfg_yaml = to_yaml(cfg)
-    else:
-        cfg_yaml = saved_yaml(rdir, cfg.trainer.max_steps) if extending else (rdir / "config.yaml").read_text()
-    rdir.mkdir(parents=True, exist_ok=True)
-    if extending:
-        pin_summary(rdir, run_state)
-    if not run_state.exists or extending:  # whole or not at all: another rank of this launch may be reading it
-        tmp = rdir / f".config.yaml.{os.getpid()}.tmp"
-        tmp.write_text(cfg_yaml)
-        os.replace(tmp, rdir / "config.yaml")
+    cfg_yaml, extending = _record_config(cfg, run_state, rdir)
     logger = make_logger(cfg, rdir, model_name=model_name)
     if extending:
         log.warning("extending the run from %d to %d iterations (trainer.max_steps raised)", run_state.saved_max_steps,
@@ -419,20 +406,51 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
             raise KeyboardInterrupt from None
         raise
     if getattr(module, "stopped_early", False):
-        if module.interrupted:
-            log.warning("interrupted after %d of %d iterations; checkpoint %s — run the same command to resume",
-                        module.iterations_done, cfg.trainer.max_steps, ckpt.last)
-        else:
-            log.warning(
-                "stopped after %d iterations (trainer.stop_after / trainer.deadline); run the same command to resume",
-                module.iterations_done
-            )
-        if logger is not None:  # not FINISHED: a comparison must resume it, not skip it
-            import mlflow
+        _mark_stopped(cfg, module, logger, ckpt)
+        return _result(rdir, logger, dict(getattr(module, "last_metrics", {})), cfg, module, stop)
+    metrics = _save_final(trainer, module, tok, rdir, logger)
+    return _result(rdir, logger, metrics, cfg, module, stop)
 
-            mlflow.MlflowClient(logger._tracking_uri).set_terminated(logger.run_id, "KILLED")
-        metrics = dict(getattr(module, "last_metrics", {}))
-        return _result(rdir, logger, metrics, cfg, module, stop)
+
+def _record_config(cfg: Config, run_state: RunState, rdir: Path) -> tuple[str, bool]:
+    """The run's ``config.yaml`` (its record, as its MLflow params) and whether this launch extends the run: written
+    when the run starts; on resume left as it is (keys free to differ, gearlab.trainer.resume, are not history) but
+    for a raised ``trainer.max_steps``. Returns (the YAML, extending)."""
+    extending = run_state.extends(cfg)
+    if not run_state.exists:
+        cfg_yaml = to_yaml(cfg)
+    else:
+        cfg_yaml = saved_yaml(rdir, cfg.trainer.max_steps) if extending else (rdir / "config.yaml").read_text()
+    rdir.mkdir(parents=True, exist_ok=True)
+    if extending:
+        pin_summary(rdir, run_state)
+    if not run_state.exists or extending:  # whole or not at all: another rank of this launch may be reading it
+        tmp = rdir / f".config.yaml.{os.getpid()}.tmp"
+        tmp.write_text(cfg_yaml)
+        os.replace(tmp, rdir / "config.yaml")
+    return cfg_yaml, extending
+
+
+def _mark_stopped(cfg: Config, module: GRPOModule, logger: Any, ckpt: IterationCheckpoint) -> None:
+    """A run that stopped before ``trainer.max_steps`` (interrupt, ``trainer.stop_after`` / ``trainer.deadline``):
+    say how to resume, and leave its MLflow run KILLED, not FINISHED, so that a comparison resumes it."""
+    if module.interrupted:
+        log.warning("interrupted after %d of %d iterations; checkpoint %s — run the same command to resume",
+                    module.iterations_done, cfg.trainer.max_steps, ckpt.last)
+    else:
+        log.warning(
+            "stopped after %d iterations (trainer.stop_after / trainer.deadline); run the same command to resume",
+            module.iterations_done
+        )
+    if logger is not None:
+        import mlflow
+
+        mlflow.MlflowClient(logger._tracking_uri).set_terminated(logger.run_id, "KILLED")
+
+
+def _save_final(trainer: L.Trainer, module: GRPOModule, tok: Any, rdir: Path, logger: Any) -> dict[str, float]:
+    """The finished run's ``final/`` model and tokenizer and its ``summary.json`` (rank 0); every rank gathers the
+    full state dict. Returns the last iteration's and evaluation's metrics."""
     state = distributed.full_state_dict(module.policy)  # collective: every rank takes part
     if getattr(module.policy.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # saved once, as the embedding (what save_pretrained does by itself)
@@ -445,7 +463,7 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
         (rdir / "summary.json").write_text(json.dumps({"mlflow_run_id": logger.run_id if logger else None,
                                                        "iterations_done": module.iterations_done,
                                                        "metrics": metrics}, indent=2))
-    return _result(rdir, logger, metrics, cfg, module, stop)
+    return metrics
 
 
 def _result(rdir: Path, logger: Any, metrics: dict[str, float], cfg: Config, module: GRPOModule,
