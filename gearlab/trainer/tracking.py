@@ -111,13 +111,22 @@ def artifact_location(tracking: str, experiment: str) -> str | None:
     """Where a new experiment keeps its artifacts: for a SQLite store ``sqlite:///DIR/x.db``,
     ``file://DIR/mlartifacts/<experiment, sanitised>`` (absolute), beside the database; None (the
     server's or MLflow's default) for any other store."""
+    root = _sqlite_artifact_root(tracking)
+    if root is None:
+        return None
+    folder = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
+    return (root / folder).as_uri()
+
+
+def _sqlite_artifact_root(tracking: str) -> Path | None:
+    """``DIR/mlartifacts`` (absolute) for a SQLite store ``sqlite:///DIR/x.db``; None for an in-memory or any other
+    store."""
     if not tracking.startswith("sqlite:///"):
         return None
     db = tracking[len("sqlite:///"):].split("?", 1)[0]
     if not db or db == ":memory:":
         return None
-    folder = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
-    return (Path(db).resolve().parent / "mlartifacts" / folder).as_uri()
+    return Path(db).resolve().parent / "mlartifacts"
 
 
 def moved_artifact_dir(tracking: str, artifact_uri: str) -> Path | None:
@@ -128,17 +137,14 @@ def moved_artifact_dir(tracking: str, artifact_uri: str) -> Path | None:
     tree (MLflow then reads and writes where the URI says)."""
     from urllib.parse import unquote, urlparse
 
-    if not (tracking.startswith("sqlite:///") and artifact_uri.startswith("file://")):
-        return None
-    db = tracking[len("sqlite:///"):].split("?", 1)[0]
-    if not db or db == ":memory:":
+    here = _sqlite_artifact_root(tracking)
+    if here is None or not artifact_uri.startswith("file://"):
         return None
     recorded = Path(unquote(urlparse(artifact_uri).path))
     parts = recorded.parts
     if recorded.exists() or "mlartifacts" not in parts:
         return None
     i = len(parts) - 1 - parts[::-1].index("mlartifacts")
-    here = Path(db).resolve().parent / "mlartifacts"
     return here.joinpath(*parts[i + 1:]) if Path(*parts[:i + 1]) != here else None
 
 
