@@ -169,7 +169,7 @@ _CHOICES = {
     "rollout.engine": ("auto", "hf", "fast", "vllm"),
     "credit_eval.truth": ("located", "mc", "both"),
     "rollout.fast.cuda_graphs": ("auto", "on", "off"),
-    "rollout.fast.attention": ("sdpa", "sdpa_auto", "flex", "split"),
+    "rollout.fast.attention": ("auto", "sdpa", "sdpa_auto", "flex", "split"),
     "rollout.fast.sampler": ("torch", "fused"),
     "rollout.fast.sharded_weights": ("gather", "replica"),
     "rollout.vllm.weight_sync": ("auto", "inplace", "reload"),

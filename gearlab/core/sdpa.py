@@ -13,7 +13,8 @@ input gradients): SDPA then picks flash (no mask) or memory-efficient attention,
 Forward-only teacher passes keep every backend: the bug is in the backward alone.
 
 ``reproducible_attention()`` leaves cuDNN out of the fast decoder's attention (``rollout.fast.attention=sdpa``, the
-default). A comparison pairs its runs by seed: children of one seed start from the same weights and draw the same
+default off CUDA, and every prefill but ``sdpa_auto``'s).
+A comparison pairs its runs by seed: children of one seed start from the same weights and draw the same
 per-row uniforms, so their first rollout must be the same tokens. On an H200 (torch 2.11, cuDNN 9.19) it was not:
 three children's first rollouts from one start had mean rewards 0.1878, 0.1897 and 0.1897 and their greedy
 evaluations differed, and ``experiments/gpu/concurrent_decode_check.py`` gave a different token digest in every

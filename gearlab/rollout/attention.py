@@ -1,9 +1,9 @@
 """Decode-step attention of the fast decoder with FlexAttention (``rollout.fast.attention=flex``).
 
 ``Decoder`` runs a decode step's attention (one new position per row) over the first ``length`` positions of the
-KV cache. With ``attention="sdpa"`` (the default) that is ``F.scaled_dot_product_attention``; on GPUs SDPA has no
-decode kernel: at long caches (1–4k positions) it does not split the keys across thread blocks, so a small batch
-leaves most of the card idle. ``FlexDecode`` runs the same attention through
+KV cache. With ``attention="sdpa"`` (the default off CUDA) that is ``F.scaled_dot_product_attention``; on GPUs
+SDPA has no decode kernel: at long caches (1–4k positions) it does not split the keys across thread blocks, so a
+small batch leaves most of the card idle. ``FlexDecode`` runs the same attention through
 ``torch.nn.attention.flex_attention.flex_attention``, compiled: on CUDA, Inductor lowers a call whose query is
 shorter than 128 positions to its split-K "flex decoding" Triton kernel (``torch/_inductor/kernel/flex/
 flex_decoding.py``: the keys are cut into ``SPLIT_KV`` tiles, one thread block each, and the partial softmaxes are
@@ -50,7 +50,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from gearlab.parallel.compiling import deterministic_compile, raise_recompile_limit
 
-ATTENTION = ("sdpa", "sdpa_auto", "flex", "split")  # rollout.fast.attention
+ATTENTION = ("sdpa", "sdpa_auto", "flex", "split")  # the decoder's kernels; rollout.fast.attention also takes auto
 _COMPILED: list[Callable[..., Tensor]] = []  # torch.compile(_flex_step), made at the first use
 
 

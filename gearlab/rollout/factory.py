@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from gearlab.rollout.base import TokenGenerator
 from gearlab.rollout.decoder import supports
-from gearlab.rollout.fast import FastDecoder
+from gearlab.rollout.fast import FastDecoder, decodes_on_cuda
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.multiturn import MultiTurnRolloutEngine
 from gearlab.rollout.vllm import VLLMGenerator
@@ -38,9 +37,7 @@ def resolve_engine(cfg: Any, model: nn.Module | None) -> str:
     they are."""
     if cfg.rollout.engine != "auto":
         return cfg.rollout.engine
-    acc = cfg.trainer.accelerator
-    cuda = acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
-    ok = cuda and model is not None and supports(model) is None
+    ok = decodes_on_cuda(cfg) and model is not None and supports(model) is None
     return "fast" if ok else "hf"
 
 

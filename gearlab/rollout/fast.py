@@ -10,7 +10,9 @@ records it with its log-prob. Rows that emitted a stop token keep running but wr
 every row is done (checked every ``check_every`` steps, the only host synchronisation) or after
 ``max_new_tokens``. ``compile`` (``rollout.fast.compile``; default: on with CUDA) compiles each layer's pieces
 around attention (``Decoder``): two graphs for every layer and cache length (two more, batch-size dynamic, once a
-second batch size comes), fusing the elementwise kernels a small model's step is mostly made of.
+second batch size comes), fusing the elementwise kernels a small model's step is mostly made of. A decode step's
+attention (``rollout.fast.attention``): ``auto``, the default, is gearlab's split-K Triton kernel on CUDA with Triton
+and SDPA elsewhere (``resolve_attention``).
 
 On CUDA, one graph per (batch, prompt length, bucket, sampling settings) is captured on first use and replayed
 after; graphs keep pointers to the weights, which optimizer steps update in place, so they stay valid across
@@ -43,7 +45,24 @@ from gearlab.parallel.replica import DecodeReplica
 from gearlab.rollout.base import STATIC_PAD, SamplingParams, pad_left_to, row_seeds, stop_token_ids, trim_left
 from gearlab.rollout.decoder import Decoder, KVCache
 from gearlab.rollout.fused_sample import SAMPLERS, fused_draw
+from gearlab.rollout.kernels import kernel_available
 from gearlab.rollout.sampler import row_uniforms, sample_rows
+
+
+def decodes_on_cuda(cfg: Any) -> bool:
+    """The policy decodes on CUDA: ``trainer.accelerator`` is gpu / cuda, or auto with a GPU here."""
+    acc = cfg.trainer.accelerator
+    return acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
+
+
+def resolve_attention(cfg: Any) -> str:
+    """``rollout.fast.attention`` made concrete. ``auto`` is ``split`` when the policy decodes on CUDA and
+    gearlab's Triton kernel runs there (``kernels.kernel_available``), otherwise ``sdpa``. The other values are
+    returned as they are."""
+    attention = cfg.rollout.fast.attention
+    if attention != "auto":
+        return attention
+    return "split" if decodes_on_cuda(cfg) and kernel_available(torch.device("cuda")) else "sdpa"
 
 
 @dataclass
@@ -100,12 +119,13 @@ class FastDecoder:
 
     @classmethod
     def from_config(cls, tokenizer: Any, cfg: Any, *, training: bool = False) -> "FastDecoder":
-        """From ``rollout.fast``; ``sharded_weights=replica`` only for a training run's engine (evaluation and the
-        commands gather: a second resident copy would only cost memory)."""
+        """From ``rollout.fast``, ``attention=auto`` resolved (``resolve_attention``); ``sharded_weights=replica``
+        only for a training run's engine (evaluation and the commands gather: a second resident copy would only cost
+        memory)."""
         f = cfg.rollout.fast
         return cls(tokenizer, batch_size=cfg.rollout.batch_size, cuda_graphs=f.cuda_graphs, bucket=f.bucket,
-                   check_every=f.check_every, compile=f.compile, fused=f.fused_projections, attention=f.attention,
-                   sampler=f.sampler,
+                   check_every=f.check_every, compile=f.compile, fused=f.fused_projections,
+                   attention=resolve_attention(cfg), sampler=f.sampler,
                    sharded_weights=f.sharded_weights if training else "gather")
 
     # -- the TokenGenerator protocol ------------------------------------------------------------

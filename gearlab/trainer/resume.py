@@ -28,9 +28,11 @@ Keys free to differ (:data:`FREE_ON_RESUME`) say how this process runs, not what
 * other commands' settings: ``warmstart.*``, ``export.*``, ``inspect.*``, ``replay.*``, ``compare.*``,
   ``credit_eval.*``, ``eval.checkpoint``, ``eval.cache_start``.
 
-``rollout.engine=auto`` is compared after it is resolved (the saved value is the engine the run used). A key the
-saved file lacks (added to gearlab since) counts as equal when this command leaves it at its default.
-Other ``trainer.resume`` values (``never``, a checkpoint path) are deliberate restarts or forks: not checked.
+``rollout.engine=auto`` and ``rollout.fast.attention=auto`` (:data:`RESOLVED`) are compared after they are resolved
+(the saved values are the engine and the decode kernel the run used): a run saved with ``sdpa`` resumes under
+``auto`` where ``auto`` is ``sdpa`` (off CUDA), and is refused where it is ``split``. A key the saved file lacks
+(added to gearlab since) counts as equal when this command leaves it at its default. Other ``trainer.resume``
+values (``never``, a checkpoint path) are deliberate restarts or forks: not checked.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ FREE_ON_RESUME = frozenset({
 })
 FREE_SECTIONS = ("warmstart.", "export.", "inspect.", "replay.", "compare.", "credit_eval.")
 SHOWN = 6  # differing keys named in the one-line error; the rest are counted
+RESOLVED = ("rollout.engine", "rollout.fast.attention")  # whose auto depends on the machine: compared once resolved
 
 
 @dataclass
@@ -128,8 +131,8 @@ def check_resume(cfg: Config, rdir: Path) -> RunState:
     for key, value in now.items():
         if _free(key) or key == "trainer.max_steps":
             continue
-        if key == "rollout.engine" and value == "auto":
-            continue  # compared once resolved (check_engine)
+        if key in RESOLVED and value == "auto":
+            continue  # compared once resolved (check_resolved)
         before = state.saved.get(key, defaults.get(key))
         if before != value:
             diffs.append(f"{key} (saved {_show(before)}, now {_show(value)})")
@@ -150,14 +153,17 @@ def check_resume(cfg: Config, rdir: Path) -> RunState:
     return state
 
 
-def check_engine(cfg: Config, state: RunState, rdir: Path) -> None:
-    """``rollout.engine=auto`` once resolved (it depends on the machine) against the engine the run used."""
-    before = state.saved.get("rollout.engine")
-    if state.exists and before is not None and before != cfg.rollout.engine:
-        raise ConfigError(f"run folder {rdir} was started with another configuration: rollout.engine (saved {before}, "
-                          f"now {cfg.rollout.engine}: what auto resolves to here); resume it with "
-                          f"rollout.engine={before}, "
-                          f"or start another run with trainer.run_name=NAME")
+def check_resolved(cfg: Config, state: RunState, rdir: Path) -> None:
+    """The keys of :data:`RESOLVED`, once ``cfg``'s ``auto`` is resolved (it depends on the machine), against what the
+    run used; ConfigError, one line naming each that differs. A key the saved file lacks is not checked."""
+    saved = {key: state.saved.get(key) for key in RESOLVED}
+    now = {key: OmegaConf.select(cfg, key) for key in RESOLVED}
+    differ = [key for key in RESOLVED if saved[key] is not None and saved[key] != now[key]]
+    if differ:
+        named = ", ".join(f"{k} (saved {saved[k]}, now {now[k]}: what auto resolves to here)" for k in differ)
+        fix = " ".join(f"{k}={saved[k]}" for k in differ)
+        raise ConfigError(f"run folder {rdir} was started with another configuration: {named}; resume it with "
+                          f"{fix}, or start another run with trainer.run_name=NAME")
 
 
 def _show(v: Any) -> str:

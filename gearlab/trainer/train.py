@@ -27,11 +27,12 @@ from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, l
 from gearlab.models.prompt_length import check_prompt_lengths, check_task_prompts
 from gearlab.parallel import distributed
 from gearlab.rollout.factory import engine_from_config, resolve_engine
+from gearlab.rollout.fast import resolve_attention
 from gearlab.trainer.data import PromptDataModule
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
 from gearlab.tasks.registry import task_from_config
-from gearlab.trainer.resume import RunState, check_engine, check_resume, pin_summary, record_extension, saved_yaml
+from gearlab.trainer.resume import RunState, check_resolved, check_resume, pin_summary, record_extension, saved_yaml
 from gearlab.stopping import StopSignals
 from gearlab.trainer.tracking import check_tracking_uri, make_logger, tracking_uri
 
@@ -360,8 +361,9 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
     warn_bf16_training(model, cfg.optim.lr)
     if not prompts_checked:  # the tokenizer could not be read before the model loaded (a hub id, a new embedded model)
         check_prompt_lengths(cfg, task, tok, model.config)
-    # auto → fast | hf, before config.yaml and the MLflow params are written: they record the engine that ran
+    # auto → concrete values, before config.yaml and the MLflow params are written: they record what ran
     cfg.rollout.engine = resolve_engine(cfg, model)
+    cfg.rollout.fast.attention = resolve_attention(cfg)
     if cfg.rollout.engine == "fast":  # before the run directory or the MLflow run exists
         from gearlab.rollout.decoder import supports
 
@@ -369,7 +371,7 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
             raise ConfigError(
                 f"key 'rollout.engine': fast decoding cannot run this model: {reason} (use rollout.engine=hf)"
             )
-    check_engine(cfg, run_state, rdir)
+    check_resolved(cfg, run_state, rdir)
     cfg_yaml, extending = _record_config(cfg, run_state, rdir)
     logger = make_logger(cfg, rdir, model_name=model_name)
     if extending:

@@ -1,5 +1,6 @@
 """rollout.engine=auto: the fast decoder on CUDA for a layout it runs (one GPU, DDP, FSDP1, FSDP2), HF generate
-everywhere else; a training run records the engine it resolved to."""
+everywhere else; rollout.fast.attention=auto: the split-K Triton kernel on CUDA with Triton, SDPA everywhere else; a
+training run records what they resolved to."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from gearlab.config import ConfigError, load_config
+from gearlab.rollout import fast
 from gearlab.rollout.factory import engine_from_config, resolve_engine
-from gearlab.rollout.fast import FastDecoder
+from gearlab.rollout.fast import FastDecoder, resolve_attention
 from gearlab.tasks.registry import get_task
 
 
@@ -46,3 +48,38 @@ def test_the_engine_built_for_auto_and_the_corrections_that_need_an_explicit_eng
     # an importance correction needs the engine's log-probs, which HF generate does not give: auto is not enough
     with pytest.raises(ConfigError, match="key 'algorithm.engine_is': .*set rollout.engine=vllm or fast"):
         load_config(["algorithm.engine_is=token_truncate"])
+
+
+def _claim(monkeypatch, cuda: bool, kernel: bool) -> list[torch.device]:
+    """CUDA and gearlab's Triton kernels as claimed; returns the devices kernel_available was asked about."""
+    asked: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(fast, "kernel_available", lambda device: asked.append(device) or kernel)
+    return asked
+
+
+@pytest.mark.parametrize("overrides, cuda, kernel, expected", [
+    ([], True, True, "split"),
+    ([], False, True, "sdpa"),  # Triton's CPU interpreter makes the kernel available, not a CUDA policy
+    ([], True, False, "sdpa"),  # a torch without Triton
+    (["trainer.accelerator=cpu"], True, True, "sdpa"),
+    (["rollout.fast.attention=flex"], True, True, "flex"),  # an explicit choice stays
+    (["rollout.fast.attention=sdpa"], True, True, "sdpa"),
+    (["rollout.fast.attention=sdpa_auto"], False, False, "sdpa_auto"),
+    (["rollout.fast.attention=split"], False, False, "split"),
+])
+def test_auto_attention_is_the_split_kernel_on_cuda_with_triton(monkeypatch, overrides, cuda, kernel, expected):
+    asked = _claim(monkeypatch, cuda, kernel)
+    assert resolve_attention(load_config(overrides)) == expected
+    assert all(d.type == "cuda" for d in asked)
+
+
+def test_the_fast_decoder_of_every_command_gets_the_resolved_kernel(monkeypatch, tokenizer, tiny_model_factory):
+    """engine_from_config (evaluation, inspect, replay, credit-eval and training) never hands the decoder auto."""
+    cfg = load_config(["rollout.engine=fast"])
+    assert cfg.rollout.fast.attention == "auto"
+    _claim(monkeypatch, cuda=True, kernel=True)
+    assert engine_from_config(tokenizer, get_task("arith"), cfg).generator.attention == "split"
+    _claim(monkeypatch, cuda=False, kernel=False)
+    assert engine_from_config(tokenizer, get_task("arith"), cfg).generator.attention == "sdpa"
+    assert cfg.rollout.fast.attention == "auto"  # the caller's config is left as it was

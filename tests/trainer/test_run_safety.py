@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from gearlab.config import ConfigError, load_config, to_yaml
-from gearlab.trainer.resume import check_resume
+from gearlab.rollout import fast
+from gearlab.rollout.fast import resolve_attention
+from gearlab.trainer.resume import check_resolved, check_resume
 from gearlab.stopping import StopSignals
 from gearlab.trainer.train import train
 
@@ -136,6 +138,55 @@ def test_resume_check_names_what_differs_and_lets_run_control_differ(tmp_path):
     with pytest.raises(ConfigError, match=r"logging.tags.team \(saved a, now unset\)"):
         check_resume(load_config(base), rdir)
     assert not check_resume(load_config([*base, "trainer.resume=never", "trainer.seed=7"]), rdir).exists
+
+
+def _resolved_resume(base: list[str], rdir: Path) -> None:
+    """What ``gearlab train`` checks on resume: the saved config, then the machine-dependent keys once resolved."""
+    cfg = load_config(base)
+    state = check_resume(cfg, rdir)
+    cfg.rollout.fast.attention = resolve_attention(cfg)
+    check_resolved(cfg, state, rdir)
+
+
+def test_a_saved_sdpa_resumes_where_auto_is_sdpa_and_explicit_kernels_must_match(tmp_path, monkeypatch):
+    """rollout.fast.attention=auto is compared once resolved: a run saved with sdpa (every CPU run, and every run
+    before auto) resumes under auto on a CPU and is refused where auto is split; explicit values compare as saved."""
+    base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r", "rollout.engine=hf"]
+    rdir = tmp_path / "r"
+    rdir.mkdir()
+    (rdir / "config.yaml").write_text(to_yaml(load_config([*base, "rollout.fast.attention=sdpa"])))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _resolved_resume(base, rdir)  # auto, the default, is sdpa here
+    _resolved_resume([*base, "rollout.fast.attention=sdpa"], rdir)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fast, "kernel_available", lambda device: True)
+    with pytest.raises(ConfigError) as e:
+        _resolved_resume(base, rdir)
+    assert "rollout.fast.attention (saved sdpa, now split: what auto resolves to here)" in str(e.value)
+    assert "resume it with rollout.fast.attention=sdpa," in str(e.value)
+    _resolved_resume([*base, "rollout.fast.attention=sdpa"], rdir)  # what the refusal says to do
+    (rdir / "config.yaml").write_text(to_yaml(load_config([*base, "rollout.fast.attention=flex"])))
+    with pytest.raises(ConfigError, match=r"rollout.fast.attention \(saved flex, now split\)"):
+        _resolved_resume([*base, "rollout.fast.attention=split"], rdir)
+
+
+def test_the_engine_is_compared_once_resolved(tmp_path, monkeypatch, tiny_model_factory):
+    """A run saved with rollout.engine=hf, resumed with auto where auto is fast, is refused in one line."""
+    from gearlab.rollout.factory import resolve_engine
+
+    base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r", "rollout.fast.attention=sdpa"]
+    rdir = tmp_path / "r"
+    rdir.mkdir()
+    (rdir / "config.yaml").write_text(to_yaml(load_config([*base, "rollout.engine=hf"])))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config(base)
+    state = check_resume(cfg, rdir)
+    cfg.rollout.engine = resolve_engine(cfg, tiny_model_factory(0))
+    with pytest.raises(ConfigError) as e:
+        check_resolved(cfg, state, rdir)
+    (line,) = str(e.value).splitlines()
+    assert "rollout.engine (saved hf, now fast: what auto resolves to here)" in line
+    assert "resume it with rollout.engine=hf," in line and "rollout.fast.attention" not in line
 
 
 def test_stop_scopes_nest_and_a_second_ctrl_c_aborts():

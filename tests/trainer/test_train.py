@@ -7,6 +7,7 @@ import sys
 import mlflow
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from gearlab.config import load_config
 from gearlab.trainer.train import train
@@ -34,6 +35,9 @@ def test_train_logs_to_mlflow(tmp_path, tiny_model_dir):
     assert run.data.tags["assigner"] == "grpo" and run.data.params["rollout.group_size"] == "4"
     # rollout.engine=auto (the default) is recorded as the engine it resolved to: HF generate without a GPU
     assert run.data.params["rollout.engine"] == "hf" and "engine: hf" in (res.run_dir / "config.yaml").read_text()
+    # rollout.fast.attention=auto (the default) too: SDPA without CUDA
+    saved = OmegaConf.load(res.run_dir / "config.yaml")
+    assert saved.rollout.fast.attention == "sdpa" and run.data.params["rollout.fast.attention"] == "sdpa"
     hist = client.get_metric_history(res.mlflow_run_id, "train/reward")
     assert sorted(m.step for m in hist) == [0, 1, 2]  # MLflow step = RL iteration
     keys = set(run.data.metrics)
