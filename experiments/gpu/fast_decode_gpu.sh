@@ -14,7 +14,8 @@
 #            every finished variant is in the JSON and each iteration's times are in the log as they happen)
 #   vllm     ~4 min: experiments/gpu/vllm_check.py (needs vLLM from experiments/gpu/vllm_bring.sh)
 #   auto     ~2 min: 3 iterations of arith_long_gpu with rollout.engine=auto: the run's config.yaml must record
-#            engine: fast (the default on one CUDA device), with its decode metrics
+#            engine: fast (the default on one CUDA device) and attention: split (rollout.fast.attention=auto with
+#            Triton), with its decode metrics
 #   varlen   ~8 min: 50 iterations of a real run whose responses vary in length (experiment=arith_long_gpu with a
 #            200-step warm start, engine=fast, trainer.compile)
 # Wheels: every carried folder of them among .wo .wa .wb .whl .trlw is installed once per machine
@@ -72,7 +73,7 @@ for part in "$@"; do
   auto)
     timeout ${AUTO_TIMEOUT:-240} gearlab train experiment=arith_long_gpu rollout.engine=auto warmstart.steps=50 \
       trainer.max_steps=3 trainer.output_dir=runs/auto eval.num_problems=32 trainer.progress_bar=false > "$OUT/auto.log" 2>&1
-    echo "auto rc=$?"; grep -h "engine: " $(find runs/auto -name config.yaml | head -1)
+    echo "auto rc=$?"; grep -hE "^ *(engine|attention): " $(find runs/auto -name config.yaml | head -1)
     python experiments/gpu/varlen_summary.py runs/auto > "$OUT/auto_summary.json"; cat "$OUT/auto_summary.json" ;;
   *) echo "unknown part $part (check | attn | auto | credit | bench | vllm | varlen)"; exit 2 ;;
   esac

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gearlab.core.batch import RolloutBatch
+from gearlab.core.sdpa import reproducible_attention
 from gearlab.core.logprobs import response_hidden, token_kl, token_logprobs
 from gearlab.signals.registry import PASS_SIGNALS, TEACHER_SIGNALS, Signal, SignalContext, get_signal, signal_name
 
@@ -68,7 +69,13 @@ class SignalProvider:
         Student and teacher passes run without gradient, micro-batched; values at masked positions are 0.
         ``resampler``: for the Monte-Carlo signals (``gearlab.signals.mc``), what continues the batch's responses.
         """
-        needs = frozenset(needs)
+        # without cuDNN's attention, whose forward does not repeat bit for bit on Hopper (gearlab.core.sdpa): a
+        # signal that differs in its last bit moves the credit and so the update, and the run no longer repeats
+        with reproducible_attention():
+            return self._compute(batch, frozenset(needs), with_logprobs, teacher, options, resampler)
+
+    def _compute(self, batch: RolloutBatch, needs: frozenset[Signal], with_logprobs: bool, teacher: nn.Module | None,
+                 options: dict[str, Any] | None, resampler: Any) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
         extra = [s for s in needs if signal_name(s) not in PASS_SIGNALS]
         with_logprobs = with_logprobs or Signal.LOGPROBS in needs
         signals = self._passes(batch, needs, with_logprobs, teacher)

@@ -82,3 +82,17 @@ def test_each_micro_batch_runs_at_its_own_widths(tiny_model_factory):
         n = int(b.response_mask[i].sum())
         tlp, _ = _solo_logprobs(model, b.teacher_prompt_ids[i], b.teacher_prompt_mask[i], b.response_ids[i])
         torch.testing.assert_close(sig[Signal.TEACHER_LOGPROBS][i, :n], tlp[:n], rtol=1e-4, atol=1e-5)
+
+
+def test_signal_passes_leave_cudnn_attention_out_and_restore_it(tiny_model_factory):
+    """Every forward of ``compute`` runs with cuDNN's SDPA backend disabled (its forward does not repeat bit for bit
+    on Hopper, so a GEAR run did not repeat), and the caller's setting is back afterwards."""
+    model = tiny_model_factory(2)
+    seen = []
+    base = getattr(model, model.base_model_prefix)
+    base.register_forward_hook(lambda *a: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    SignalProvider(model, temperature=1.0, micro_batch_size=2).compute(
+        _batch(model.config.vocab_size), {Signal.ENTROPY, Signal.TEACHER_KL})
+    assert seen == [False] * 4  # 2 micro-batches × (student + teacher), none with cuDNN
+    assert torch.backends.cuda.cudnn_sdp_enabled()
