@@ -95,6 +95,7 @@ import torch
 from torch import Tensor
 
 from gearlab.core.batch import RolloutBatch
+from gearlab.core.reduce import bin_sum
 from gearlab.credit import CreditAssigner, CreditOutput, Signal, all_reduce_sum, gather_values, register
 from gearlab.credit.controls import place_fixed, place_random
 from gearlab.credit.options import option
@@ -373,8 +374,8 @@ onsets,
             else:
                 gidx = torch.zeros(B, dtype=torch.long, device=dev)
             K = int(gidx.max().item()) + 1 if B > 0 else 0
-            num = torch.zeros(K, dtype=f64, device=dev).index_add_(0, gidx, N.to(f64))
-            den = torch.zeros(K, dtype=f64, device=dev).index_add_(0, gidx, w.sum(dim=1))
+            num = bin_sum(N.to(f64), gidx, K)  # in row order on every device (gearlab.core.reduce)
+            den = bin_sum(w.sum(dim=1).to(f64), gidx, K)
             if self.normalisation == "batch":  # the global batch's mass (a group never spans ranks)
                 num, den = all_reduce_sum(num), all_reduce_sum(den)
             w = w * (num / den.clamp(min=1e-30))[gidx][:, None]

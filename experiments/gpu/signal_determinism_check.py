@@ -5,7 +5,10 @@ left-padded batch, ``--repeats`` times in each of two modes:
   default   gearlab's provider as it is (SDPA without cuDNN's attention, ``gearlab.core.sdpa``)
   cudnn     the same with SDPA's own backend choice (cuDNN's attention on Hopper), as before 2026-12-04
 
-and one masked SDPA call at the batch's widths with cuDNN's backend alone, ``--repeats`` times on fixed inputs.
+and one masked SDPA call at the batch's widths with cuDNN's backend alone, ``--repeats`` times on fixed inputs; then
+the per-group sums of the advantage computations, 4,096 float64 values of spread magnitudes into one bin (GEAR's
+batch normalisation) and into 64 (group statistics), with CUDA's ``index_add_`` and with ``gearlab.core.reduce.bin_sum``
+(which must also equal the CPU's sum bit for bit).
 Each mode reports how many distinct digests (SHA-256 of every output's bytes) its repeats gave: 1 = repeatable.
 
     python experiments/gpu/signal_determinism_check.py --out signal_check.json   # a CUDA GPU; a CPU runs too
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gearlab.signals.provider as provider  # noqa: E402
 from gearlab.core.batch import RolloutBatch  # noqa: E402
+from gearlab.core.reduce import bin_sum  # noqa: E402
 from gearlab.credit import Signal  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,6 +102,21 @@ def _cudnn_op(repeats: int) -> list[str] | str:
         return f"unavailable: {str(e).splitlines()[0][:160]}"
 
 
+def _sums(repeats: int) -> dict:
+    g = torch.Generator().manual_seed(3)
+    values = (torch.randn(4096, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-6, 6, (4096,), generator=g))
+    res = {}
+    for n in (1, 64):
+        index = torch.randint(0, n, (4096,), generator=g)
+        cpu = _digest([bin_sum(values, index, n)])
+        v, i = values.to(DEV), index.to(DEV)
+        atomic = [_digest([torch.zeros(n, dtype=v.dtype, device=DEV).index_add_(0, i, v)]) for _ in range(repeats)]
+        ours = [_digest([bin_sum(v, i, n)]) for _ in range(repeats)]
+        res[f"bins_{n}"] = {"index_add_distinct": len(set(atomic)), "bin_sum_distinct": len(set(ours)),
+                            "bin_sum_equals_cpu": set(ours) == {cpu}}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=8)
@@ -114,8 +133,9 @@ def main() -> None:
             res[mode] = {"distinct": len(set(d)), "digests": d}
         op = _cudnn_op(a.repeats)
         res["cudnn_op"] = op if isinstance(op, str) else {"distinct": len(set(op)), "digests": op}
+        res["sums"] = _sums(max(a.repeats, 20))
     a.out.write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: (v["distinct"] if isinstance(v, dict) else v) for k, v in res.items()}))
+    print(json.dumps({k: (v.get("distinct", v) if isinstance(v, dict) else v) for k, v in res.items()}))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from gearlab.core.reduce import bin_sum
+
 __all__ = ["AGG_MODES", "KL_KINDS", "group_advantages", "zero_std_fraction", "aggregate",
            "policy_loss", "kl_penalty"]
 
@@ -24,8 +26,8 @@ def _group_stats(r: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, 
     """Per-sample index into dense group ids, and per-group count, sum, min, max."""
     _, inv = torch.unique(group_ids, return_inverse=True)  # arbitrary ids -> 0..G-1
     n = int(inv.max()) + 1
-    count = r.new_zeros(n).index_add_(0, inv, torch.ones_like(r))
-    total = r.new_zeros(n).index_add_(0, inv, r)
+    count = bin_sum(torch.ones_like(r), inv, n)
+    total = bin_sum(r, inv, n)
     gmin = r.new_full((n,), float("inf")).scatter_reduce_(0, inv, r, "amin")
     gmax = r.new_full((n,), float("-inf")).scatter_reduce_(0, inv, r, "amax")
     return inv, count, total, gmin, gmax
@@ -68,11 +70,11 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool =
     n, lo, hi = count[inv], gmin[inv], gmax[inv]
     dev = r - (total / count)[inv]
     # Two-pass sum of squares: E[x^2] - E[x]^2 cancels badly for near-equal rewards.
-    ss = r.new_zeros(count.shape).index_add_(0, inv, dev * dev)[inv]
+    ss = bin_sum(dev * dev, inv, count.numel())[inv]
     if leave_one_out:
         n_o = n - 1
-        n_lo = r.new_zeros(count.shape).index_add_(0, inv, (r == lo).to(r.dtype))[inv]
-        n_hi = r.new_zeros(count.shape).index_add_(0, inv, (r == hi).to(r.dtype))[inv]
+        n_lo = bin_sum((r == lo).to(r.dtype), inv, count.numel())[inv]
+        n_hi = bin_sum((r == hi).to(r.dtype), inv, count.numel())[inv]
         # Decided exactly, not from the downdated variance: its rounding residue (~1e-9)
         # would pass the std > 0 test and divide a finite advantage by ~1e-5.
         others_equal = ((lo == hi) | ((r == hi) & (n_hi == 1) & (n_lo == n_o))

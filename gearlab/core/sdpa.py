@@ -11,8 +11,8 @@ their own widths (any length, so 1 in 128 micro-batches hit the bad remainder) o
 ``differentiable_attention()`` leaves cuDNN out for the passes that backpropagate (the update, the signals that take
 input gradients): SDPA then picks flash (no mask) or memory-efficient attention, which are correct on those inputs.
 The signal passes (``gearlab.signals.provider``: old, reference and teacher log-probs, entropy, divergences) leave it
-out too, for reproducibility (below): a GEAR child on an H200 run twice from the same start and first rollout did not
-repeat its second rollout while those forward passes kept cuDNN.
+out too, for reproducibility (below): cuDNN's decode-shape forward did not repeat on an H200, and nothing promises
+that its prefill-shape forward does (8 repeats in one process did, ``experiments/gpu/signal_determinism_check.py``).
 
 ``reproducible_attention()`` leaves cuDNN out of the fast decoder's attention (``rollout.fast.attention=sdpa``, the
 default off CUDA, and every prefill but ``sdpa_auto``'s).

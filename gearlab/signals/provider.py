@@ -69,8 +69,8 @@ class SignalProvider:
         Student and teacher passes run without gradient, micro-batched; values at masked positions are 0.
         ``resampler``: for the Monte-Carlo signals (``gearlab.signals.mc``), what continues the batch's responses.
         """
-        # without cuDNN's attention, whose forward does not repeat bit for bit on Hopper (gearlab.core.sdpa): a
-        # signal that differs in its last bit moves the credit and so the update, and the run no longer repeats
+        # without cuDNN's attention, whose forward is not promised to repeat bit for bit on Hopper (gearlab.core.sdpa):
+        # a signal that differs in its last bit moves the credit and so the update, and the run no longer repeats
         with reproducible_attention():
             return self._compute(batch, frozenset(needs), with_logprobs, teacher, options, resampler)
 
