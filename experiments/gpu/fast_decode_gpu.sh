@@ -16,6 +16,9 @@
 #   auto     ~2 min: 3 iterations of arith_long_gpu with rollout.engine=auto: the run's config.yaml must record
 #            engine: fast (the default on one CUDA device) and attention: split (rollout.fast.attention=auto with
 #            Triton), with its decode metrics
+#   rerun    ~4 min: the same short GEAR run twice (arith_long_gpu, 50-step warm start, RERUN_STEPS=4 iterations, the
+#            defaults: engine auto, attention auto), each its own process; experiments/gpu/rerun_check.py must find
+#            every iteration's rollout crc, rewards, credit and update equal (RERUN_ASSIGNER, default gear)
 #   varlen   ~8 min: 50 iterations of a real run whose responses vary in length (experiment=arith_long_gpu with a
 #            200-step warm start, engine=fast, trainer.compile)
 # Wheels: every carried folder of them among .wo .wa .wb .whl .trlw is installed once per machine
@@ -75,6 +78,15 @@ for part in "$@"; do
       trainer.max_steps=3 trainer.output_dir=runs/auto eval.num_problems=32 trainer.progress_bar=false > "$OUT/auto.log" 2>&1
     echo "auto rc=$?"; grep -hE "^ *(engine|attention): " $(find runs/auto -name config.yaml | head -1)
     python experiments/gpu/varlen_summary.py runs/auto > "$OUT/auto_summary.json"; cat "$OUT/auto_summary.json" ;;
-  *) echo "unknown part $part (check | attn | auto | credit | bench | vllm | varlen)"; exit 2 ;;
+  rerun)
+    for x in a b; do
+      timeout ${RERUN_TIMEOUT:-150} gearlab train experiment=arith_long_gpu rollout.engine=auto \
+        assigner=${RERUN_ASSIGNER:-gear} warmstart.steps=50 trainer.max_steps=${RERUN_STEPS:-4} \
+        trainer.output_dir=runs/rerun_$x eval.num_problems=32 trainer.progress_bar=false > "$OUT/rerun_$x.log" 2>&1
+      echo "rerun $x rc=$?"
+    done
+    python experiments/gpu/rerun_check.py runs/rerun_a runs/rerun_b --out "$OUT/rerun_${card:-gpu}.json"
+    echo "rerun_check rc=$?" ;;
+  *) echo "unknown part $part (check | attn | auto | credit | bench | vllm | rerun | varlen)"; exit 2 ;;
   esac
 done

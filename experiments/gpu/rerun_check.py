@@ -1,0 +1,54 @@
+"""Whether two runs of one configuration repeated each other bit for bit: every iteration's ``train/rollout_crc``,
+``train/data_crc``, ``train/reward``, ``train/adv_abs_mean``, ``update/pg_loss`` and ``update/grad_norm`` (the tokens
+sampled, the prompts, what they earned, the credit, the update), read from each run's MLflow store.
+
+    python experiments/gpu/rerun_check.py RUN_DIR_A RUN_DIR_B [--out rerun.json]   # trainer.output_dir of each run
+
+Prints one JSON object: per metric, the first iteration where the runs differ (null: none); exit 1 if any differ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlflow
+
+KEYS = ("train/rollout_crc", "train/data_crc", "train/reward", "train/adv_abs_mean", "update/pg_loss",
+        "update/grad_norm")
+
+
+def _histories(root: Path) -> dict[str, dict[int, float]]:
+    """The newest run in ``root/mlflow.db``: {metric: {iteration: value}} for :data:`KEYS`."""
+    client = mlflow.MlflowClient(f"sqlite:///{root.resolve() / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    if not runs:
+        sys.exit(f"{root}: no MLflow run in {root / 'mlflow.db'}")
+    run = max(runs, key=lambda r: r.info.start_time)
+    return {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in KEYS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    ha, hb = _histories(args.a), _histories(args.b)
+    out: dict = {}
+    for k in KEYS:
+        steps = sorted(set(ha[k]) & set(hb[k]))
+        differ = [s for s in steps if ha[k][s] != hb[k][s]]
+        out[k] = {"iterations": len(steps), "first_differing": differ[0] if differ else None,
+                  "values_at_first": [ha[k][differ[0]], hb[k][differ[0]]] if differ else None}
+    out["repeated"] = all(v["first_differing"] is None and v["iterations"] > 0 for v in out.values())
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    sys.exit(0 if out["repeated"] else 1)
+
+
+if __name__ == "__main__":
+    main()
