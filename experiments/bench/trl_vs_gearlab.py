@@ -15,7 +15,9 @@ path, milliseconds per decode step).
 disable_compile=False`` set after construction, not a TRL option: docs/hardware.md#trl-decoding-tuning),
 ``gearlab_default`` (micro-batch 8, checkpointing, ``rollout.static_cache`` + ``trainer.compile``),
 ``gearlab_tuned`` (micro-batch 64, no checkpointing, static cache + compile), ``gearlab_fast`` (the tuned update
-with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step one CUDA graph) and
+with ``rollout.engine=fast``: gearlab's static-cache decoder, each decode step one CUDA graph; decode attention pinned
+to ``sdpa``, the default before 2026-12-04, so its committed figures stay comparable; the default ``auto`` is
+``gearlab_fast_split`` on a card) and
 ``gearlab_fast_compiled`` (the same with ``rollout.fast.compile=true``), ``gearlab_fast_fused`` (compiled, with
 ``rollout.fast.fused_projections``), ``gearlab_fast_flex`` (compiled, decode attention with
 ``rollout.fast.attention=flex``: compiled flex_attention's split-K decode kernel), ``gearlab_fast_cudnn`` (compiled,
