@@ -217,3 +217,14 @@ def test_choice_lists_have_one_place():
     assert cfg.algorithm.kl_kind == "low_var_kl"
     lp = torch.tensor([[-0.5, -2.0]])
     assert grpo.kl_penalty(lp, lp, cfg.algorithm.kl_kind).tolist() == [[0.0, 0.0]]  # and the core computes it
+
+
+def test_per_group_sums_go_through_bin_sum():
+    """``index_add_`` adds with atomics on CUDA, in an order that changes from run to run; a per-group float sum made
+    with it makes a GPU run stop repeating after its first update (gearlab.core.reduce). Only ``bin_sum`` calls it."""
+    calls = []
+    for p in [*(ROOT / "gearlab").rglob("*.py"), *(ROOT / "assigners").rglob("*.py")]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("index_add_", "index_add"):
+                calls.append(str(p.relative_to(ROOT)))
+    assert calls == ["gearlab/core/reduce.py"] * 2, calls  # its CPU branch and its CUDA branch
