@@ -375,7 +375,7 @@ onsets,
                 gidx = torch.zeros(B, dtype=torch.long, device=dev)
             K = int(gidx.max().item()) + 1 if B > 0 else 0
             num = bin_sum(N.to(f64), gidx, K)  # in row order on every device (gearlab.core.reduce)
-            den = bin_sum(w.sum(dim=1).to(f64), gidx, K)
+            den = bin_sum(w.sum(dim=1), gidx, K)
             if self.normalisation == "batch":  # the global batch's mass (a group never spans ranks)
                 num, den = all_reduce_sum(num), all_reduce_sum(den)
             w = w * (num / den.clamp(min=1e-30))[gidx][:, None]

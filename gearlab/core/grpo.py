@@ -26,7 +26,7 @@ def _group_stats(r: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, 
     """Per-sample index into dense group ids, and per-group count, sum, min, max."""
     _, inv = torch.unique(group_ids, return_inverse=True)  # arbitrary ids -> 0..G-1
     n = int(inv.max()) + 1
-    count = bin_sum(torch.ones_like(r), inv, n)
+    count = torch.bincount(inv, minlength=n).to(r.dtype)  # integers: exact in any order
     total = bin_sum(r, inv, n)
     gmin = r.new_full((n,), float("inf")).scatter_reduce_(0, inv, r, "amin")
     gmax = r.new_full((n,), float("-inf")).scatter_reduce_(0, inv, r, "amax")
@@ -73,8 +73,8 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool =
     ss = bin_sum(dev * dev, inv, count.numel())[inv]
     if leave_one_out:
         n_o = n - 1
-        n_lo = bin_sum((r == lo).to(r.dtype), inv, count.numel())[inv]
-        n_hi = bin_sum((r == hi).to(r.dtype), inv, count.numel())[inv]
+        n_lo = torch.bincount(inv[r == lo], minlength=count.numel()).to(r.dtype)[inv]
+        n_hi = torch.bincount(inv[r == hi], minlength=count.numel()).to(r.dtype)[inv]
         # Decided exactly, not from the downdated variance: its rounding residue (~1e-9)
         # would pass the std > 0 test and divide a finite advantage by ~1e-5.
         others_equal = ((lo == hi) | ((r == hi) & (n_hi == 1) & (n_lo == n_o))

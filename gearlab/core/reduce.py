@@ -5,7 +5,8 @@ bits do too (PyTorch's reproducibility notes list it among the nondeterministic 
 of advantage computations (GRPO's group statistics, GEAR's mass normalisation) then differ in their last bit, the
 update moves the weights differently, and a run rerun from the same start stops repeating after its first step.
 These sums are over a batch's rows (hundreds to thousands of values), so on CUDA they are made on the CPU, which
-adds in index order, and the result is moved back: a few microseconds of copies per iteration.
+adds in index order, and the result is moved back: two small copies and one synchronisation per call. Counts need
+none of this (integers add exactly in any order: ``torch.bincount``).
 """
 from __future__ import annotations
 
