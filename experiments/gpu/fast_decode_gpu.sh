@@ -18,7 +18,10 @@
 #            Triton), with its decode metrics
 #   rerun    ~4 min: the same short GEAR run twice (arith_long_gpu, 50-step warm start, RERUN_STEPS=4 iterations, the
 #            defaults: engine auto, attention auto), each its own process; experiments/gpu/rerun_check.py must find
-#            every iteration's rollout crc, rewards, credit and update equal (RERUN_ASSIGNER, default gear)
+#            every iteration's rollout crc, rewards, credit and update equal (RERUN_ASSIGNER, default gear).
+#            RERUN_EXP and RERUN_ARGS (default warmstart.steps=50) run another preset: a SmolLM2 child of the
+#            comparison from its warm start, beside compare_in_calls.sh on the same machine, is
+#            RERUN_EXP=smollm2_gsm_gpu RERUN_ARGS="model.name_or_path=$PWD/runs/warmstart/smollm2-135m-rg"
 #   varlen   ~8 min: 50 iterations of a real run whose responses vary in length (experiment=arith_long_gpu with a
 #            200-step warm start, engine=fast, trainer.compile)
 # Wheels: every carried folder of them among .wo .wa .wb .whl .trlw is installed once per machine
@@ -80,8 +83,8 @@ for part in "$@"; do
     python experiments/gpu/varlen_summary.py runs/auto > "$OUT/auto_summary.json"; cat "$OUT/auto_summary.json" ;;
   rerun)
     for x in a b; do
-      timeout ${RERUN_TIMEOUT:-150} gearlab train experiment=arith_long_gpu rollout.engine=auto \
-        assigner=${RERUN_ASSIGNER:-gear} warmstart.steps=50 trainer.max_steps=${RERUN_STEPS:-4} \
+      timeout ${RERUN_TIMEOUT:-150} gearlab train experiment=${RERUN_EXP:-arith_long_gpu} rollout.engine=auto \
+        assigner=${RERUN_ASSIGNER:-gear} ${RERUN_ARGS:-warmstart.steps=50} trainer.max_steps=${RERUN_STEPS:-4} \
         trainer.output_dir=runs/rerun_$x eval.num_problems=32 trainer.progress_bar=false > "$OUT/rerun_$x.log" 2>&1
       echo "rerun $x rc=$?"
     done
