@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-import mlflow
+from mlflow_runs import newest_run
 
 KEYS = ("train/rollout_crc", "train/data_crc", "train/reward", "train/adv_abs_mean", "update/pg_loss",
         "update/grad_norm")
@@ -21,11 +21,7 @@ KEYS = ("train/rollout_crc", "train/data_crc", "train/reward", "train/adv_abs_me
 
 def _histories(root: Path) -> dict[str, dict[int, float]]:
     """The newest run in ``root/mlflow.db``: {metric: {iteration: value}} for :data:`KEYS`."""
-    client = mlflow.MlflowClient(f"sqlite:///{root.resolve() / 'mlflow.db'}")
-    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
-    if not runs:
-        sys.exit(f"{root}: no MLflow run in {root / 'mlflow.db'}")
-    run = max(runs, key=lambda r: r.info.start_time)
+    client, run = newest_run(root)
     return {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in KEYS}
 
 

@@ -10,14 +10,11 @@ import statistics
 import sys
 from pathlib import Path
 
-import mlflow
+from mlflow_runs import newest_run
 
 
 def main() -> None:
-    root = Path(sys.argv[1]).resolve()
-    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
-    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
-    run = max(runs, key=lambda r: r.info.start_time)
+    client, run = newest_run(Path(sys.argv[1]))
     hist = lambda k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]  # noqa: E731
     tokens, rollout = hist("train/generated_tokens_total"), hist("time/rollout_s")
     per_iter = [b - a for a, b in zip([0.0] + tokens[:-1], tokens)]
