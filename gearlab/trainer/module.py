@@ -322,9 +322,7 @@ class GRPOModule(L.LightningModule):
         alg = self.cfg.algorithm
         if adv is None:
             adv = torch.zeros(rb.response_ids.shape, device=self.device)
-            credit_logs: dict[str, list[float]] = {}
-        opt = self.optimizers()
-        sched = self.lr_schedulers()
+        credit_logs: dict[str, list[float]] = {}  # with seq_adv: the method's metrics, micro-batch by micro-batch
         B = rb.batch_size
         world = self.trainer.world_size if self._trainer is not None else 1
         first = (self.trainer.global_rank if self._trainer is not None else 0) * B
@@ -335,60 +333,73 @@ class GRPOModule(L.LightningModule):
             g = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, it, 10_000 + epoch))
             plan = tiled_mini_batches(B * world, alg.mini_batches, alg.micro_batch_size, g)
             for m in range(alg.mini_batches):
-                # this rank's rows of mini-batch m, in local indices, micro-batch by micro-batch
-                mine = [(t[(t >= first) & (t < first + B)] - first).to(self.device) for t in plan[m]]
-                mine = [t for t in mine if t.numel()]
-                idx = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long, device=self.device)
-                # clamp: a mini-batch with no selected token has a zero loss, not 0/0
-                counts = {name: (self._global_sum(mk[idx].sum().float()).clamp_min(1),
-                                 self._global_sum((mk[idx].sum(-1) > 0).sum().float()).clamp_min(1))
-                          for name, mk in (("pg", loss_mask), ("full", rb.response_mask))}
-                opt.zero_grad(set_to_none=True)
-                finite = torch.ones((), device=self.device)
-                chunks = micro_batches(  # a token budget forms its own micro-batches; else the plan's tiles
-                    idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens
-                ) if idx.numel() and alg.micro_batch_tokens > 0 else mine
-                # sharded ranks must run the same number of forward/backward passes: pad with empty ones
-                n_max = global_max_int(len(chunks), self.device)
-                for j in range(n_max):
-                    empty = j >= len(chunks)
-                    mi = torch.zeros(1, dtype=torch.long, device=self.device) if empty else chunks[j]
-                    mb = rb.select(mi)
-                    mb = mb.cropped() if crop else mb  # this micro-batch's own widths: no compute on shared padding
-                    w = mb.response_len
-                    mask_j = torch.zeros_like(loss_mask[mi, :w]) if empty else loss_mask[mi, :w]
-                    hook = None
-                    if seq_adv is not None and not empty:
-                        def hook(mb: RolloutBatch, ent: Tensor, mi: Tensor = mi, w: int = w) -> Tensor:
-                            out = self.assigner.assign(mb, seq_adv[mi], {Signal.ENTROPY: ent})
-                            if out.loss_mask is not None:
-                                raise ValueError(
-                                    f"assigner {self.assigner.name!r} declared chunk_local but returned a loss mask"
-                                )
-                            adv[mi, :w] = self._checked(out.token_advantages, mb).detach()
-                            for k, v in out.metrics.items():
-                                credit_logs.setdefault(k, []).append(float(v))
-                            return adv[mi, :w]
-                    loss, metrics = self._micro_loss(mb, adv[mi, :w], mask_j, counts, assign=hook)
-                    weight = 0.0 if empty else float(rb.response_mask[mi].sum())
-                    if empty:
-                        loss = loss * 0.0  # takes part in the collectives, contributes nothing
-                    if not torch.isfinite(loss):
-                        # no break: every rank must run the same passes (FSDP's collectives); this one contributes
-                        # nothing and the whole step is skipped below
-                        finite.zero_()
-                        loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
-                    self.manual_backward(loss)
-                    for k, v in metrics.items():
-                        w = 1.0 if k in _LOSS_TERMS else weight  # loss terms: already shares of the global value
-                        acc = sums.setdefault(k, torch.zeros(2, dtype=torch.float64))
-                        acc += torch.tensor([0.0 if empty else float(v) * w, w], dtype=torch.float64)
-                self._step_if_finite(opt, sched, finite, grad_norms)
+                self._mini_batch_step(rb, adv, loss_mask, plan[m], first, crop, sums, grad_norms, seq_adv,
+                                      credit_logs)
         if seq_adv is not None:
             self._forward_credit = CreditOutput(
                 token_advantages=adv, metrics={k: sum(v) / len(v) for k, v in credit_logs.items()}
             )
         return self._update_metrics(sums, grad_norms, alg.ppo_epochs * alg.mini_batches, world)
+
+    def _mini_batch_step(self, rb: RolloutBatch, adv: Tensor, loss_mask: Tensor, tiles: list[Tensor], first: int,
+                         crop: bool, sums: dict[str, Tensor], grad_norms: list[float], seq_adv: Tensor | None,
+                         credit_logs: dict[str, list[float]]) -> None:
+        """One optimizer step over one mini-batch of the global batch (``tiles``: its micro-batches' global row
+        indices): this rank's rows' forward/backward passes, padded with empty passes to the ranks' largest count,
+        then the step unless a loss or gradient was non-finite on any rank. Accumulates the metrics into ``sums``
+        ([Σ value·weight, Σ weight]) and the clipped gradient norm into ``grad_norms``; with ``seq_adv`` the credit
+        of each micro-batch is assigned from its own forward into ``adv`` (``credit_logs`` its metrics)."""
+        alg = self.cfg.algorithm
+        opt, sched, B = self.optimizers(), self.lr_schedulers(), rb.batch_size
+        # this rank's rows of the mini-batch, in local indices, micro-batch by micro-batch
+        mine = [(t[(t >= first) & (t < first + B)] - first).to(self.device) for t in tiles]
+        mine = [t for t in mine if t.numel()]
+        idx = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long, device=self.device)
+        # clamp: a mini-batch with no selected token has a zero loss, not 0/0
+        counts = {name: (self._global_sum(mk[idx].sum().float()).clamp_min(1),
+                         self._global_sum((mk[idx].sum(-1) > 0).sum().float()).clamp_min(1))
+                  for name, mk in (("pg", loss_mask), ("full", rb.response_mask))}
+        opt.zero_grad(set_to_none=True)
+        finite = torch.ones((), device=self.device)
+        chunks = micro_batches(  # a token budget forms its own micro-batches; else the plan's tiles
+            idx, rb.full_attention_mask().sum(-1)[idx], alg.micro_batch_size, alg.micro_batch_tokens
+        ) if idx.numel() and alg.micro_batch_tokens > 0 else mine
+        # sharded ranks must run the same number of forward/backward passes: pad with empty ones
+        n_max = global_max_int(len(chunks), self.device)
+        for j in range(n_max):
+            empty = j >= len(chunks)
+            mi = torch.zeros(1, dtype=torch.long, device=self.device) if empty else chunks[j]
+            mb = rb.select(mi)
+            mb = mb.cropped() if crop else mb  # this micro-batch's own widths: no compute on shared padding
+            w = mb.response_len
+            mask_j = torch.zeros_like(loss_mask[mi, :w]) if empty else loss_mask[mi, :w]
+            hook = None
+            if seq_adv is not None and not empty:
+                def hook(mb: RolloutBatch, ent: Tensor, mi: Tensor = mi, w: int = w) -> Tensor:
+                    out = self.assigner.assign(mb, seq_adv[mi], {Signal.ENTROPY: ent})
+                    if out.loss_mask is not None:
+                        raise ValueError(
+                            f"assigner {self.assigner.name!r} declared chunk_local but returned a loss mask"
+                        )
+                    adv[mi, :w] = self._checked(out.token_advantages, mb).detach()
+                    for k, v in out.metrics.items():
+                        credit_logs.setdefault(k, []).append(float(v))
+                    return adv[mi, :w]
+            loss, metrics = self._micro_loss(mb, adv[mi, :w], mask_j, counts, assign=hook)
+            weight = 0.0 if empty else float(rb.response_mask[mi].sum())
+            if empty:
+                loss = loss * 0.0  # takes part in the collectives, contributes nothing
+            if not torch.isfinite(loss):
+                # no break: every rank must run the same passes (FSDP's collectives); this one contributes
+                # nothing and the whole step is skipped below
+                finite.zero_()
+                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+            self.manual_backward(loss)
+            for k, v in metrics.items():
+                w = 1.0 if k in _LOSS_TERMS else weight  # loss terms: already shares of the global value
+                acc = sums.setdefault(k, torch.zeros(2, dtype=torch.float64))
+                acc += torch.tensor([0.0 if empty else float(v) * w, w], dtype=torch.float64)
+        self._step_if_finite(opt, sched, finite, grad_norms)
 
     def _step_if_finite(self, opt: Any, sched: Any, finite: Tensor, grad_norms: list[float]) -> None:
         """One optimizer step on the accumulated gradients, clipped (their norm appended to ``grad_norms``), unless
