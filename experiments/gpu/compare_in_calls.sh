@@ -58,7 +58,7 @@ rm -rf /tmp/store_copy/mlartifacts && cp -r "$R/mlartifacts" /tmp/store_copy/ 2>
 tar czf "$OUT/$EXP-store.tgz" -C /tmp/store_copy . && ls -la "$OUT/$EXP-store.tgz"
 # the logs as one file: a call sends back at most 8 files, and four children's logs, the store, the report and its
 # plot would be more
-L=/tmp/compare_logs && rm -rf "$L" && mkdir -p "$L" && cp "$LOG" "$L/" && for f in "$R/$EXP"/*/train.log; do
+L=$(mktemp -d) && cp "$LOG" "$L/" && for f in "$R/$EXP"/*/train.log; do
   [[ -f $f ]] && tail -c 300000 "$f" > "$L/$(basename "$(dirname "$f")").log"; done  # each child's timings, errors
 tar czf "$OUT/logs.tgz" -C "$L" . && echo "logs: $(ls "$L" | wc -l) files in $OUT/logs.tgz"
 [[ -d $R/$EXP/report ]] && cp "$R/$EXP/report/report.md" "$R/$EXP/report/curves.png" "$OUT/" 2>/dev/null
