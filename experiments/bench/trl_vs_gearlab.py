@@ -54,6 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 V, PROMPTS, G, PROMPT_LEN, NEW = 151_936, 16, 8, 64, 256
+VLLM_MEM = 0.3  # --vllm-mem
 # BENCH_SMOKE=1: a 2-layer model and a tiny batch, on the CPU if there is no GPU — to check the script, not to time
 SMOKE = bool(os.environ.get("BENCH_SMOKE"))
 if SMOKE:
@@ -201,7 +202,10 @@ def run_gearlab(model_dir: Path, iters: int, static: bool = False, compiled: boo
     # cast the batch of prompt objects)
     # rollout.engine=vllm: CUDA graphs on (the setting for long runs), sleep during the update (auto = on with CUDA),
     # the engine in bf16 whatever the master weights' dtype (``master``)
-    vllm_opts = ["rollout.vllm.enforce_eager=false", "rollout.vllm.dtype=bfloat16"] if engine == "vllm" and CUDA else []
+    # the engine's share of the card (VLLM_MEM) must hold the whole batch's KV cache: 128 × 2,112 positions of the
+    # Qwen3-0.6B shape are ~31 GB, more than 0.3 of an H100 (vLLM would then queue sequences instead of decoding all)
+    vllm_opts = ["rollout.vllm.enforce_eager=false", "rollout.vllm.dtype=bfloat16",
+                 f"rollout.vllm.gpu_memory_utilization={VLLM_MEM}"] if engine == "vllm" and CUDA else []
     cfg = load_config([f"trainer.accelerator={'gpu' if CUDA else 'cpu'}", "trainer.precision=32-true",
                        f"model.dtype={master}",
                        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={G}",
@@ -397,10 +401,12 @@ def main() -> None:
     ap.add_argument("--variant-timeout", type=float, default=0,
                     help="seconds one variant may take (0: no limit); a variant over it is stopped, recorded as an "
                          "error, and the next one runs")
+    ap.add_argument("--vllm-mem", type=float, default=0.3,
+                    help="rollout.vllm.gpu_memory_utilization of the vLLM variants (0.55 holds 2,048 tokens' KV cache)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one variant in this process
     a = ap.parse_args()
-    global NEW
-    NEW = a.new or NEW
+    global NEW, VLLM_MEM
+    NEW, VLLM_MEM = a.new or NEW, a.vllm_mem
     work = Path(os.environ.get("BENCH_WORK", "/tmp")) / "gearlab_bench_model"
     if a.one:
         Path(a.out).write_text(json.dumps(run_variant(a.one, work, work, a.iters, a.profile)))
@@ -414,12 +420,13 @@ def main() -> None:
            "setting":
            f"Qwen3-0.6B shape, random bf16 weights, {PROMPTS} prompts x {G}, {PROMPT_LEN}-token prompts, {NEW} new "
            "tokens",
-           "iterations": a.iters, "median_of": f"iterations 2..{a.iters}"}
+           "iterations": a.iters, "median_of": f"iterations 2..{a.iters}", "vllm_gpu_memory_utilization": VLLM_MEM}
     for n in names:  # each variant in its own process: no compiled graphs, caches or allocator state carried over
         part = work / f"{n}.json"
         part.unlink(missing_ok=True)
         cmd = [
-            sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part), "--new", str(NEW)
+            sys.executable, __file__, "--one", n, "--iters", str(a.iters), "--out", str(part), "--new", str(NEW),
+            "--vllm-mem", str(VLLM_MEM)
         ] + (["--profile"] if a.profile else [])
         res[n] = run_child(cmd, part, a.variant_timeout)
         print(json.dumps({n: res[n]}), flush=True)

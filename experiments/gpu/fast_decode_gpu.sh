@@ -11,7 +11,8 @@
 #            trl_default,trl_tuned,gearlab_tuned,gearlab_fast) and BENCH_NAME (default trl_vs_gearlab_tuned; _h200 or _h100 is appended);
 #            BENCH_NEW (new tokens per completion, forced to full length; 0 = the workload's 256), BENCH_ITERS (4) and
 #            BENCH_VARIANT_TIMEOUT (seconds per variant, 0 = none: one over it is recorded as an error, the rest run;
-#            every finished variant is in the JSON and each iteration's times are in the log as they happen)
+#            every finished variant is in the JSON and each iteration's times are in the log as they happen) and
+#            BENCH_VLLM_MEM (the vLLM variants' gpu_memory_utilization, 0.3; 0.55 holds the KV cache at 2,048 tokens)
 #   vllm     ~4 min: experiments/gpu/vllm_check.py (needs vLLM from experiments/gpu/vllm_bring.sh)
 #   auto     ~2 min: 3 iterations of arith_long_gpu with rollout.engine=auto: the run's config.yaml must record
 #            engine: fast (the default on one CUDA device) and attention: split (rollout.fast.attention=auto with
@@ -61,7 +62,7 @@ for part in "$@"; do
     n=${BENCH_NAME:-trl_vs_gearlab_tuned}_${card:-gpu}
     ( [ -f "$VSITE/env.sh" ] && . "$VSITE/env.sh"
       timeout ${BENCH_TIMEOUT:-560} python experiments/bench/trl_vs_gearlab.py --iters ${BENCH_ITERS:-4} --profile \
-        --new ${BENCH_NEW:-0} --variant-timeout ${BENCH_VARIANT_TIMEOUT:-0} \
+        --new ${BENCH_NEW:-0} --variant-timeout ${BENCH_VARIANT_TIMEOUT:-0} --vllm-mem ${BENCH_VLLM_MEM:-0.3} \
         --variants "${BENCH_VARIANTS:-trl_default,trl_tuned,gearlab_tuned,gearlab_fast}" \
         --out "$OUT/$n.json" --md "$OUT/$n.md" > "$OUT/$n.log" 2>&1 )
     echo "bench rc=$?"; cat "$OUT/$n.md" 2>/dev/null; tail -c 1500 "$OUT/$n.log" ;;
