@@ -109,6 +109,7 @@ class _OARBase(CreditAssigner):
     saliency_signal: Signal
     preserves_sign = True  # w > 0 (floor > 0) or A_{i,t} = 0
     preserves_mass = True  # with sum_to_L (set per instance below)
+    ignores_zero_rows = True  # each row's weights come from its own saliency alone, and A_i = 0 gives 0
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -124,18 +125,21 @@ class _OARBase(CreditAssigner):
         sal = signals[self.saliency_signal].detach().to(resp.device).float()
         w = bilevel_weights(sal, reasoning, q=self.q, beta=self.beta, floor=self.floor, sum_to_L=self.sum_to_L)
         adv = seq_advantages[:, None].to(resp.device).float() * w * resp.float()
-        n_r = reasoning.sum(-1)
+        # the metrics describe the rows whose weights act (A_i != 0): the same whether or not the saliency of the
+        # other rows was computed (signals.skip_zero_rows)
+        acting = (seq_advantages.to(resp.device) != 0)[:, None]
+        n_r = (reasoning & acting).sum(-1)[acting[:, 0]]
         has = n_r > 0
-        wr = w[reasoning]
+        wr = w[reasoning & acting]
         metrics = {
-            "reasoning_frac": float(n_r.sum() / resp.sum().clamp(min=1)),
+            "reasoning_frac": float(n_r.sum() / (resp & acting).sum().clamp(min=1)),
             "no_reasoning_frac": float((~has).float().mean()) if has.numel() else 0.0,
         }
         if wr.numel():
             metrics.update({"weight_max": float(wr.max()), "weight_min": float(wr.min()),
                             "weight_std": float(wr.std(unbiased=False)),
                             "high_frac": float((wr >= 1.0).float().mean()),
-                            "saliency_mean": float(sal[reasoning].mean())})
+                            "saliency_mean": float(sal[reasoning & acting].mean())})
         return CreditOutput(token_advantages=adv, metrics=metrics)
 
 

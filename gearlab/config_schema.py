@@ -173,6 +173,10 @@ class SignalConfig:
     # micro-batch (entropy_adv; entropy_fork with scope=micro_batch, normaliser=trl) take the entropy from the
     # update's own forward, with no separate pass | false: always a separate no-grad pass
     entropy_in_forward: bool = True
+    # true: a method whose credit of a sequence with A_i != 0 ignores the signals of those with A_i = 0 (oar_g, oar_p)
+    # gets its model-based signals only for the rows with A_i != 0 (the same credit; the all-alike groups, often
+    # half of a batch or more, cost no saliency pass) | false: every row
+    skip_zero_rows: bool = True
 
 
 @dataclass

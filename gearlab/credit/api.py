@@ -56,6 +56,9 @@ class CreditAssigner(ABC):
     requires_turns: ClassVar[bool] = False  # needs batch.turn_ids / turn_rewards (multi-turn tasks only)
     # a sequence with A_i = 0 gets 0 on every token (False for pure distillation)
     keeps_zero_groups: ClassVar[bool] = True
+    # the credit of a sequence with A_i != 0 does not depend on the signals of the sequences with A_i = 0 (which get
+    # 0): a model-based signal may then leave those rows out (SignalContext.rows; `signals.skip_zero_rows`)
+    ignores_zero_rows: ClassVar[bool] = False
     # samples extra rollouts (Monte-Carlo continuations): left out of inspect / credit-eval / replay's default method
     # lists, which run every method on one batch (name it there to include it)
     extra_rollouts: ClassVar[bool] = False

@@ -137,6 +137,7 @@ def check_assigner(make: Callable[[], CreditAssigner] | str, options: dict[str, 
         ("output type, shape, dtype, device", kit.output_ok, True),
         ("no credit on masked tokens", kit.masked_zero, True),
         ("zero-advantage sequences stay zero", kit.zero_groups, probe.keeps_zero_groups),
+        ("the signals of zero-advantage sequences are not read", kit.zero_rows_ignored, probe.ignores_zero_rows),
         ("deterministic", kit.deterministic, True),
         ("no gradient through signals", kit.no_grad_leak, True),
         ("declared signals are used", kit.signals_used, bool(probe.needs)),
@@ -212,6 +213,25 @@ class _Kit:
         rows = adv == 0
         leak = out.token_advantages[rows].abs().max().item() if rows.any() else 0.0
         return f"|A| up to {leak:.3g} on sequences with zero advantage" if leak > 0 else None
+
+    def zero_rows_ignored(self, seed: int) -> str | None:
+        """The signals of the rows with A_i = 0 zeroed (as the provider leaves them when it skips those rows), then
+        replaced by other random values: the credit and the metrics must not change."""
+        a, b, adv, out = self.run(seed)
+        zero = adv == 0
+        if not zero.any():
+            return "the batch has no zero-advantage row"
+        base = fake_signals(b, frozenset(a.needs), seed)
+        for k, alt in enumerate(({s: v * ~zero[:, None] for s, v in base.items()},
+                                 fake_signals(b, frozenset(a.needs), seed + 100))):
+            mixed = {s: torch.where(zero[:, None], alt[s], v) for s, v in base.items()}
+            out2 = self.fresh(seed).assign(b, adv, mixed)
+            if not torch.equal(out2.token_advantages, out.token_advantages):
+                return f"the credit changed with the zero rows' signals {('zeroed', 'replaced')[k]}"
+            if out2.metrics != out.metrics:
+                diff = sorted(m for m in out.metrics if out2.metrics.get(m) != out.metrics[m])
+                return f"metrics {diff} changed with the zero rows' signals {('zeroed', 'replaced')[k]}"
+        return None
 
     def deterministic(self, seed: int) -> str | None:
         o1, o2 = self.run(seed)[3], self.run(seed)[3]

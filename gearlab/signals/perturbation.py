@@ -258,7 +258,7 @@ def perturbation_saliency(ctx: SignalContext) -> Tensor:
     rpos: dict[int, Tensor] = {}  # response indices of the reasoning tokens
     chosen: dict[int, list[int]] = {}  # reasoning-token indices perturbed
     for i in range(B):
-        if not plan.valid[i]:
+        if not (plan.valid[i] and ctx.wanted(i)):
             continue
         prompt = b.prompt_ids[i][b.prompt_mask[i].bool()]
         R.seqs[i] = torch.cat([prompt, b.response_ids[i, : plan.targets[i][-1]]])

@@ -63,19 +63,22 @@ class SignalProvider:
 
     def compute(self, batch: RolloutBatch, needs: frozenset[Signal] | set[Signal], *, with_logprobs: bool = True,
                 teacher: nn.Module | None = None, options: dict[str, Any] | None = None,
-                resampler: Any = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
+                resampler: Any = None, rows: Tensor | None = None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
         """Returns (student log-probs/entropy or None, {signal: [B, T] float32}) for exactly ``needs``.
 
         Student and teacher passes run without gradient, micro-batched; values at masked positions are 0.
         ``resampler``: for the Monte-Carlo signals (``gearlab.signals.mc``), what continues the batch's responses.
+        ``rows`` [B] bool: the rows whose model-based signals are wanted (None = all); those of the other rows are
+        0, and a signal that reads ``SignalContext.rows`` does not compute them. The pass signals cover every row.
         """
         # without cuDNN's attention, whose forward is not promised to repeat bit for bit on Hopper (gearlab.core.sdpa):
         # a signal that differs in its last bit moves the credit and so the update, and the run no longer repeats
         with reproducible_attention():
-            return self._compute(batch, frozenset(needs), with_logprobs, teacher, options, resampler)
+            return self._compute(batch, frozenset(needs), with_logprobs, teacher, options, resampler, rows)
 
     def _compute(self, batch: RolloutBatch, needs: frozenset[Signal], with_logprobs: bool, teacher: nn.Module | None,
-                 options: dict[str, Any] | None, resampler: Any) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
+                 options: dict[str, Any] | None, resampler: Any,
+                 rows: Tensor | None) -> tuple[PolicyPass | None, dict[Signal, Tensor]]:
         extra = [s for s in needs if signal_name(s) not in PASS_SIGNALS]
         with_logprobs = with_logprobs or Signal.LOGPROBS in needs
         signals = self._passes(batch, needs, with_logprobs, teacher)
@@ -90,8 +93,11 @@ class SignalProvider:
             except KeyError as e:
                 raise ValueError(str(e).strip('"')) from None
             ctx = SignalContext(self.model, self.tokenizer, batch, self.temperature, self.chunk_size,
-                                self.micro_batch_size, dict(options or {}), resampler)
+                                self.micro_batch_size, dict(options or {}), resampler,
+                                None if rows is None else rows.bool().cpu())
             m = batch.response_mask.float()
+            if rows is not None:
+                m = m * rows.to(m.device).float()[:, None]
             was_training = self.model.training
             self.model.eval()
             try:

@@ -61,6 +61,13 @@ class SignalContext:
     options: dict[str, Any] = field(default_factory=dict)
     # continues the batch's responses from their prefixes (gearlab.signals.mc.Resampler): Monte-Carlo signals only
     resampler: Any = None
+    # [B] bool, the rows whose values are wanted (None = every row): a costly signal may skip the others, which the
+    # provider sets to 0 (the trainer passes the rows with A_i != 0 to a method that ``ignores_zero_rows``)
+    rows: Tensor | None = None
+
+    def wanted(self, i: int) -> bool:
+        """Whether row ``i``'s values are wanted."""
+        return self.rows is None or bool(self.rows[i])
 
 
 SignalFn = Callable[[SignalContext], Tensor]

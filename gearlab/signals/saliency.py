@@ -19,7 +19,8 @@ Outcome distribution (option ``pfinal_mode``; logits divided by the sampling tem
 
 The answer tokens are the value tokens ("36"); ``answer_anchor="span"`` uses the whole span
 ("Answer: 36"). A row whose value is empty falls back to the whole span; a row with no reasoning
-or no answer span gets saliency 0 and costs no forward.
+or no answer span gets saliency 0 and costs no forward, and so does a row the caller does not want
+(``SignalContext.rows``: the trainer leaves out the rows with A_i = 0, whose credit is 0 whatever their saliency).
 
 OAR-G (``INPUT_GRAD_SALIENCY``) [SRC; docs/credit/oar.md#oar-g-input-gradient-saliency]: p_0 from a clean no-grad \
 forward; a noisy forward on
@@ -218,7 +219,7 @@ def input_grad_saliency(ctx: SignalContext) -> Tensor:
     B, T = b.response_ids.shape
     P = b.prompt_ids.shape[1]
     out = torch.zeros(B, T, dtype=torch.float32, device=b.response_ids.device)
-    rows_all = [i for i in range(B) if plan.valid[i]]
+    rows_all = [i for i in range(B) if plan.valid[i] and ctx.wanted(i)]
     if not rows_all:
         return out
     emb_layer = model.get_input_embeddings()

@@ -258,12 +258,13 @@ class GRPOModule(L.LightningModule):
         and reference log-probs where the update needs them) and the checked credit. ``in_forward``: the credit is
         assigned inside the update instead (None returned)."""
         ppass, signals = None, {}
+        skip = self.cfg.signals.skip_zero_rows and self.assigner.ignores_zero_rows
         if not in_forward:
             ppass, signals = self.signals.compute(rb, self.assigner.needs, with_logprobs=not on_policy,
                                                   teacher=self.teacher.model,
                                                   options={"seed": step_seed(self.cfg.trainer.seed, it),
                                                            "first_row": first_row, **self.assigner.signal_options()},
-                                                  resampler=resampler)
+                                                  resampler=resampler, rows=seq_adv != 0 if skip else None)
         if ppass is not None:
             rb = rb.with_(old_logprobs=ppass.logprobs)
         if self.ref_signals is not None:

@@ -195,3 +195,41 @@ def test_oar_g_layer_checkpointing_changes_nothing(tokenizer, tiny_model_factory
     monkeypatch.setattr(sal, "_layer_checkpointing", lambda m: contextlib.nullcontext(False))
     without = input_grad_saliency(_ctx(model, tokenizer, b, seed=1))
     torch.testing.assert_close(with_ckpt, without, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["oar_g", "oar_p"])
+def test_rows_left_out_are_zero_cost_no_forward_and_change_no_other_row(tokenizer, tiny_model_factory, kind):
+    """SignalContext.rows: a row that is not wanted gets 0 and no forward of its own; every wanted row gets exactly
+    the values of the full computation (one row per micro-batch, so no row shares a forward with another)."""
+    from gearlab.signals.perturbation import perturbation_saliency
+
+    fn = input_grad_saliency if kind == "oar_g" else perturbation_saliency
+    model = tiny_model_factory(0)
+    b = _make_batch(tokenizer, PROMPTS, SOL)
+    calls = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    full = fn(_ctx(model, tokenizer, b, mbs=1, seed=3))
+    n_full = sum(calls)
+    assert (full[0] > 0).any() and (full[1] > 0).any()
+    for keep in (0, 1):
+        calls.clear()
+        rows = torch.tensor([keep == 0, keep == 1])
+        part = fn(SignalContext(model, tokenizer, b, 1.0, 256, 1, {"seed": 3}, rows=rows))
+        assert torch.equal(part[keep], full[keep]) and not part[1 - keep].any()
+        assert 0 < sum(calls) < n_full  # the other row cost no embedding lookup, so no forward
+    hook.remove()
+
+
+def test_provider_zeroes_the_rows_left_out_of_model_based_signals_only(tokenizer, tiny_model_factory):
+    from gearlab import credit
+
+    model = tiny_model_factory(0)
+    b = _make_batch(tokenizer, PROMPTS, SOL)
+    sp = SignalProvider(model, temperature=1.0, micro_batch_size=1, tokenizer=tokenizer)
+    a = credit.build("oar_g")
+    needs = a.needs | {Signal.ENTROPY}
+    _, full = sp.compute(b, needs, with_logprobs=False, options=a.signal_options())
+    _, part = sp.compute(b, needs, with_logprobs=False, options=a.signal_options(), rows=torch.tensor([True, False]))
+    for s in (Signal.INPUT_GRAD_SALIENCY, Signal.REASONING_MASK):
+        assert torch.equal(part[s][0], full[s][0]) and not part[s][1].any() and full[s][1].any()
+    assert torch.equal(part[Signal.ENTROPY], full[Signal.ENTROPY])  # a pass signal covers every row

@@ -55,3 +55,38 @@ def test_turn_methods_refuse_a_single_turn_task_at_start_up(name, tmp_path):
     assert out.returncode == 2
     assert "single-turn" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_oar_g_skipping_the_zero_rows_trains_the_same_weights(tmp_path, monkeypatch):
+    """signals.skip_zero_rows: OAR-G's saliency only for the rows with A_i != 0 gives the same credit, so the same
+    run: equal final weights and credit metrics (one row per micro-batch, so no row's forward depends on which
+    others are computed), while the saliency pass really left rows out. The embedded warm-started model writes
+    worked solutions, so rows have reasoning lines, groups of mixed and of equal rewards."""
+    import gearlab.signals.provider as provider
+    from gearlab.signals.registry import SignalContext
+
+    seen: list[list[bool] | None] = []
+
+    class Spy(SignalContext):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            seen.append(None if self.rows is None else self.rows.tolist())
+
+    monkeypatch.setattr(provider, "SignalContext", Spy)
+    runs = {}
+    for skip in (True, False):
+        cfg = load_config(["assigner=oar_g", "model.name_or_path=embedded:tiny-arith",
+                           f"trainer.output_dir={tmp_path / str(skip)}", "trainer.max_steps=2",
+                           "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.progress_bar=false",
+                           "algorithm.micro_batch_size=1", "eval.num_problems=2",
+                           f"signals.skip_zero_rows={str(skip).lower()}"])
+        res = train(cfg)
+        metrics = mlflow.MlflowClient(res.tracking_uri).get_run(res.mlflow_run_id).data.metrics
+        runs[skip] = (load_file(res.run_dir / "final" / "model.safetensors"),
+                      {k: v for k, v in metrics.items() if k.startswith(("credit/", "update/"))})
+    wanted = [r for r in seen if r is not None]
+    assert len(wanted) == 2 and all(any(r) and not all(r) for r in wanted)  # both iterations left rows out
+    assert seen.count(None) == 2  # and without the option, none
+    (w_skip, m_skip), (w_all, m_all) = runs[True], runs[False]
+    assert all(torch.equal(w_skip[k], w_all[k]) for k in w_all)
+    assert m_skip == m_all and m_all["credit/weight_std"] > 0 and m_all["credit/saliency_mean"] > 0
