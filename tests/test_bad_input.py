@@ -114,6 +114,15 @@ def test_a_negative_max_prompt_tokens_is_a_config_error():
         load_config(["task.max_prompt_tokens=-1"])
 
 
+def test_fsdp1_with_a_signal_that_runs_the_model_is_refused_before_any_work(tmp_path, tiny_model_dir):
+    """OAR's saliency passes differ in number between ranks; FSDP1 gathers at every forward, so ranks would wait on
+    each other: refused in one line naming the key (FSDP2 gathers once for them, tests/parallel/test_world_size.py)."""
+    rc, lines, _, _ = _train(tmp_path, tiny_model_dir, "assigner=oar_g", "trainer.strategy=fsdp1", "trainer.devices=2",
+                             "trainer.accelerator=cpu")
+    _one_line_exit_2(rc, lines, "key 'trainer.strategy': fsdp1 gathers the weights at every forward",
+                     "(input_grad_saliency)", "use fsdp2")
+
+
 # -- configuration files and folders ----------------------------------------------------------------------------------
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path, tiny_model_dir):

@@ -270,31 +270,62 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def gathered_for_generation(model: nn.Module) -> Iterator[None]:
-    """Keep an FSDP2 model's parameters gathered for the duration of the block (autoregressive decoding
-    runs hundreds of forwards: gathering every layer once beats gathering it at every token). Each rank
-    then holds the full weights in their compute dtype for the block. FSDP1: only the root's own weights
-    are gathered (its layer units gather at each forward). No-op for an unsharded model."""
+def _kept_gathered(model: nn.Module, *, through_backward: bool, eager: bool) -> Iterator[None]:
+    """FSDP2: no unit reshards after its forward (nor after its backward with ``through_backward``) for the block;
+    ``eager`` gathers every unit on entry (a collective) instead of at its first forward. Everything resharded and
+    the defaults restored on exit. No-op for a model with no FSDP2 unit."""
     from torch.distributed.fsdp import FSDPModule
 
-    if is_fsdp1(model):  # the root's own weights gathered; the layer units gather per forward (as TRL does)
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(model, recurse=False, writeback=False):
-            yield
-        return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         yield
         return
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
+        if through_backward:
+            m.set_reshard_after_backward(False, recurse=False)
+    if eager:
+        for m in units:
+            m.unshard()
     try:
         yield
     finally:
         for m in units:
             m.set_reshard_after_forward(m is not model, recurse=False)  # the root never reshards after forward
+            if through_backward:
+                m.set_reshard_after_backward(True, recurse=False)
             m.reshard()
+
+
+@contextmanager
+def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+    """Keep an FSDP2 model's parameters gathered for the duration of the block (autoregressive decoding
+    runs hundreds of forwards: gathering every layer once beats gathering it at every token). Each rank
+    then holds the full weights in their compute dtype for the block. FSDP1: only the root's own weights
+    are gathered (its layer units gather at each forward). No-op for an unsharded model."""
+    if is_fsdp1(model):  # the root's own weights gathered; the layer units gather per forward (as TRL does)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            yield
+        return
+    with _kept_gathered(model, through_backward=False, eager=False):
+        yield
+
+
+@contextmanager
+def gathered_for_signals(model: nn.Module) -> Iterator[None]:
+    """Gather an FSDP2 model's parameters once, on entry, and keep them gathered through every forward and
+    input-gradient backward of the block: a model-based signal runs as many passes as it has rows to score, which
+    differs between ranks (rows with nothing to score, rows left out by ``SignalContext.rows``), and passes that
+    gathered layer by layer would leave ranks waiting on each other's all-gathers. Entering is the one collective:
+    every rank enters. No-op for an unsharded model, and for FSDP1, whose layer units gather at every forward
+    whatever is asked (training refuses FSDP1 with such signals: gearlab.trainer.train.preflight)."""
+    if is_fsdp1(model):
+        yield
+        return
+    with _kept_gathered(model, through_backward=True, eager=True):
+        yield
 
 
 @contextmanager

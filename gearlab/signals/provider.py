@@ -7,6 +7,7 @@ the full-vocabulary KL. Nobody asked → no teacher forward.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from gearlab.core.batch import RolloutBatch
 from gearlab.core.sdpa import reproducible_attention
 from gearlab.core.logprobs import response_hidden, token_kl, token_logprobs
+from gearlab.parallel.distributed import gathered_for_signals
 from gearlab.signals.registry import PASS_SIGNALS, TEACHER_SIGNALS, Signal, SignalContext, get_signal, signal_name
 
 
@@ -100,9 +102,15 @@ class SignalProvider:
                 m = m * rows.to(m.device).float()[:, None]
             was_training = self.model.training
             self.model.eval()
+            # sharded: the weights gathered once for all of them, since ranks run different numbers of passes; a
+            # Monte-Carlo signal's continuations gather for generation themselves (gearlab.rollout.mc)
+            runs_model = any(get_signal(sig).runs_model for sig in extra)
+            gathered = gathered_for_signals(self.model) if runs_model and resampler is None else \
+                contextlib.nullcontext()
             try:
-                for sig in sorted(extra, key=signal_name):
-                    signals[sig] = fns[sig](ctx).detach().float() * m
+                with gathered:
+                    for sig in sorted(extra, key=signal_name):
+                        signals[sig] = fns[sig](ctx).detach().float() * m
             finally:
                 self.model.train(was_training)
         return ppass, signals

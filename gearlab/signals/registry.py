@@ -76,12 +76,13 @@ SignalFn = Callable[[SignalContext], Tensor]
 @dataclass(frozen=True)
 class SignalSpec:
     """A registered signal: ``fn`` computes it ([B, T] float; None = a pass signal the provider computes),
-    ``fake`` is how the contract kit fakes it (one of ``FAKES``)."""
+    ``fake`` is how the contract kit fakes it (one of ``FAKES``), ``runs_model`` whether it runs the policy."""
 
     name: str
     fn: SignalFn | None
     fake: str
     doc: str = ""
+    runs_model: bool = True  # False: read from the tokens alone (a span mask), no forward of the policy
 
 
 _REGISTRY: dict[str, SignalSpec] = {}
@@ -102,12 +103,14 @@ def _add(spec: SignalSpec) -> None:
     _REGISTRY[spec.name] = spec
 
 
-def register_signal(signal: Signal | str, *, fake: str = "nonneg", doc: str = "") -> Callable[[SignalFn], SignalFn]:
+def register_signal(signal: Signal | str, *, fake: str = "nonneg", doc: str = "",
+                    runs_model: bool = True) -> Callable[[SignalFn], SignalFn]:
     """Decorator: ``fn(ctx: SignalContext) -> Tensor [B, T]`` computes ``signal`` (values on masked positions
-    are zeroed by the provider). A second, different function for one name is an error."""
+    are zeroed by the provider). ``runs_model=False`` declares that it reads the tokens only (no forward), so a
+    sharded policy need not be gathered for it. A second, different function for one name is an error."""
 
     def deco(fn: SignalFn) -> SignalFn:
-        _add(SignalSpec(signal_name(signal), fn, fake, doc or (fn.__doc__ or "").strip().split("\n")[0]))
+        _add(SignalSpec(signal_name(signal), fn, fake, doc or (fn.__doc__ or "").strip().split("\n")[0], runs_model))
         return fn
 
     return deco

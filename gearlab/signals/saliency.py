@@ -30,8 +30,9 @@ The backward is ``torch.autograd.grad(J, embeds)`` with every parameter temporar
 ``requires_grad=False`` (weight-gradient GEMMs skipped, no ``.grad`` created; flags restored
 exactly). Sequences run ``micro_batch_size`` at a time (J is a sum of independent per-sequence
 terms), the reference code runs one at a time. Noise is deterministic: row i's noise comes from a
-``torch.Generator`` seeded with (option ``seed``, i) and covers its reasoning tokens in order, so it
-does not depend on padding, micro-batching or the batch's T [PROPOSED].
+``torch.Generator`` seeded with (option ``seed``, the row's global index: option ``first_row`` + i) and covers its
+reasoning tokens in order, so it does not depend on padding, micro-batching, the batch's T or the number of
+processes [PROPOSED].
 
 OAR-P (``PERTURBATION_SALIENCY``): gearlab.signals.perturbation (counterfactual masking; it uses the
 outcome statistic, targets and reasoning span defined here).
@@ -214,6 +215,7 @@ def input_grad_saliency(ctx: SignalContext) -> Tensor:
     mode, anchor = _options(ctx)
     sigma = float(ctx.options.get("saliency_noise", 1e-3))
     seed = int(ctx.options.get("seed", 0))
+    first = int(ctx.options.get("first_row", 0))  # this rank's first global row: a row's noise is its global row's
     b, model = ctx.batch, ctx.model
     plan = _plan(ctx, mode, anchor)
     B, T = b.response_ids.shape
@@ -245,7 +247,7 @@ def input_grad_saliency(ctx: SignalContext) -> Tensor:
             reason = plan.reasoning[rows][:, : L - P].to(e.device)
             for r, i in enumerate(rows):
                 rpos = reason[r].nonzero().flatten()
-                noise[r, P + rpos] = reasoning_noise(seed, i, rpos.numel(), e.shape[-1], sigma).to(e)
+                noise[r, P + rpos] = reasoning_noise(seed, first + i, rpos.numel(), e.shape[-1], sigma).to(e)
             x = e.clone().requires_grad_(True)
             with _layer_checkpointing(model):
                 noisy = outcome(_last_hidden(model, inputs_embeds=x + noise, attention_mask=mask, position_ids=pos_ids),

@@ -156,7 +156,7 @@ def answer_positions(tokenizer: Any, response_ids: Tensor, response_mask: Tensor
     return seg.reasoning, seg.answer
 
 
-@register_signal(Signal.REASONING_MASK, fake="reasoning_mask")
+@register_signal(Signal.REASONING_MASK, fake="reasoning_mask", runs_model=False)
 def reasoning_mask_signal(ctx: SignalContext) -> Tensor:
     """Signal.REASONING_MASK: 1.0 on the generated tokens before the final-answer span, else 0."""
     b = ctx.batch
@@ -168,14 +168,14 @@ ANSWER_SPAN_MASK = "answer_span_mask"
 ANSWER_VALUE_MASK = "answer_value_mask"
 
 
-@register_signal(ANSWER_SPAN_MASK, fake="mask")
+@register_signal(ANSWER_SPAN_MASK, fake="mask", runs_model=False)
 def answer_span_mask_signal(ctx: SignalContext) -> Tensor:
     """``answer_span_mask``: 1.0 on the final-answer span ("Answer: 36": marker and value), else 0."""
     b = ctx.batch
     return response_segments(ctx.tokenizer, b.response_ids, b.response_mask).answer.float()
 
 
-@register_signal(ANSWER_VALUE_MASK, fake="mask")
+@register_signal(ANSWER_VALUE_MASK, fake="mask", runs_model=False)
 def answer_value_mask_signal(ctx: SignalContext) -> Tensor:
     """``answer_value_mask``: 1.0 on the value tokens of the final-answer span ("36" of "Answer: 36"), else 0."""
     b = ctx.batch

@@ -439,14 +439,23 @@ class GRPOModule(L.LightningModule):
         return out
 
     def _rank_mean(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Each metric's mean over ranks (the metrics themselves with one process). Every rank calls it, with the
-        same keys."""
+        """Each metric's mean over the ranks that report it (the metrics themselves with one process). Every rank
+        calls it; a method may report a metric on some ranks only (OAR's weight statistics need a credited response
+        with reasoning among the rank's rows), so the ranks first agree on the union of the keys and their sums
+        always match."""
         world = self.trainer.world_size if self._trainer is not None else 1
-        if world == 1 or not metrics:
+        if world == 1:
             return metrics
-        keys = sorted(metrics)
-        total = all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], device=self.device))
-        return {k: float(v) / world for k, v in zip(keys, total.tolist())}
+        import torch.distributed as dist
+
+        names: list[list[str] | None] = [None] * world
+        dist.all_gather_object(names, sorted(metrics))
+        keys = sorted(set().union(*names))
+        if not keys:
+            return {}
+        pairs = [x for k in keys for x in (float(metrics.get(k, 0.0)), float(k in metrics))]  # (value, reported)
+        total = all_reduce_sum(torch.tensor(pairs, device=self.device)).view(-1, 2).tolist()
+        return {k: v / n for k, (v, n) in zip(keys, total) if n > 0}
 
     def loss_scale_factor(self) -> float:
         """The constant of ``agg=seq-mean-token-sum-norm`` (Dr.GRPO): ``algorithm.loss_scale_factor``, by default the

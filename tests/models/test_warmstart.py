@@ -30,7 +30,8 @@ RL_OVERRIDES = ["assigner=gear", "trainer.max_steps=2", "trainer.threads=1", "tr
                 "trainer.progress_bar=false", "trainer.run_name=pinned"]
 
 
-def _gearlab(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+# 600 SFT steps take ~240 s alone on 2 cores; beside the other xdist worker one CI run needed over 900 s
+def _gearlab(*args: str, timeout: int = 2400) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "gearlab.cli", *args], capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out

@@ -7,7 +7,8 @@ ratio is bounded more loosely (1e-2; measured 3e-4 to 2.5e-3): Adam divides each
 few elements whose gradient is near 0 (2 or 3 in a million here) turn float rounding into visible steps. Each setting
 combines options whose world-size dependence was found in review: the mini-batch partition, std_scope=batch, the
 Dr.GRPO normaliser, ppo_epochs > 1, assigners with a teacher pass (gear, rlsd) and one that samples Monte-Carlo
-continuations of every response (vineppo: seeded by the global row); and bf16-mixed, where FSDP2 must compute what
+continuations of every response (vineppo: seeded by the global row), one whose saliency passes differ in number
+between ranks (oar_g); and bf16-mixed, where FSDP2 must compute what
 one process computes under autocast.
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ SETTINGS = {
                            "assigner.options.max_steps=4"],
     "seq-mean-token-sum/gear-batch-scale": ["algorithm.agg=seq-mean-token-sum", "assigner=gear",
                                             "assigner.options.scale=batch", "assigner.options.normalisation=batch"],
+    # OAR-G's saliency passes only for the rows with A_i != 0, two rows a pass: the ranks run different numbers of
+    # forwards and input-gradient backwards, with the weights gathered once for them (gathered_for_signals)
+    "token-mean/oar_g/2-row-passes": ["algorithm.agg=token-mean", "assigner=oar_g", "algorithm.micro_batch_size=2"],
     # FSDP2 gathers the matrices in bf16 (norms and embedding fp32) under CPU autocast; the fast decoder; tiles of
     # 8 × 2 rows, so each micro-batch holds the same rows on 1 and 2 processes, as bf16 weight gradients need
     "bf16-mixed/gear/fast/2-minibatches": ["trainer.precision=bf16-mixed", "algorithm.agg=token-mean",
