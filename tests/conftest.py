@@ -20,13 +20,19 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slurm`` start a Slurm cluster on this host (installing slurm-wlm and munge with apt where
-    missing): they run only when asked for by marker, ``pytest -m slurm`` (the CI's slurm lane), never in ``pytest``."""
-    if "slurm" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="starts a Slurm cluster: run with `pytest -m slurm` (the CI's slurm lane)")
+    missing): they run only when asked for by marker, ``pytest -m slurm`` (the CI's slurm lane), never in ``pytest``.
+    Tests marked ``serial`` keep every core busy for minutes: beside another xdist worker they ran ~5x slower (the
+    warm-start recomputation, 240 s alone on 2 cores, took 1,147 s), so xdist workers skip them and the main lane runs
+    them alone afterwards, ``pytest -m serial``."""
+    wanted = config.getoption("markexpr") or ""
+    slurm_reason = "starts a Slurm cluster: run with `pytest -m slurm` (the CI's slurm lane)"
+    skips = {"slurm": pytest.mark.skip(reason=slurm_reason)}
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        skips["serial"] = pytest.mark.skip(reason="needs the cores to itself: run with `pytest -m serial`")
     for item in items:
-        if item.get_closest_marker("slurm") is not None:
-            item.add_marker(skip)
+        for mark, skip in skips.items():
+            if mark not in wanted and item.get_closest_marker(mark) is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
