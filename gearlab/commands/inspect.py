@@ -33,7 +33,7 @@ from gearlab.core.grpo import group_advantages
 from gearlab.rollout.hf import HFRolloutEngine
 from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.mc import resampler_of_groups
-from gearlab.signals.mc import needs_resampler
+from gearlab.signals.registry import needs_resampler
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.provider import SignalProvider
 from gearlab.tasks.registry import task_from_config

@@ -22,16 +22,11 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from gearlab.signals.registry import SignalContext, register_signal, signal_name
+from gearlab.signals.registry import SignalContext, register_signal
 from gearlab.signals.spans import _char_starts, _token_at_char
 
 
 MC_SIGNAL = "mc_step_advantage"
-
-
-def needs_resampler(needs: Any) -> bool:
-    """Whether signals ``needs`` include one that continues responses (the caller must pass a resampler)."""
-    return MC_SIGNAL in {signal_name(s) for s in needs}
 
 
 class Resampler(Protocol):
@@ -134,7 +129,7 @@ def broadcast_steps(values: Sequence[StepValues], response_mask: Tensor) -> Tens
     return out.to(response_mask.device)
 
 
-@register_signal(MC_SIGNAL, fake="signed")
+@register_signal(MC_SIGNAL, fake="signed", resamples=True)
 def mc_step_advantage(ctx: SignalContext) -> Tensor:
     """VinePPO's step advantage V_j − V_{j−1} from Monte-Carlo continuations, on each step's tokens."""
     if ctx.resampler is None:

@@ -19,7 +19,8 @@ from gearlab.core.batch import RolloutBatch
 from gearlab.core.sdpa import reproducible_attention
 from gearlab.core.logprobs import response_hidden, token_kl, token_logprobs
 from gearlab.parallel.distributed import gathered_for_signals
-from gearlab.signals.registry import PASS_SIGNALS, TEACHER_SIGNALS, Signal, SignalContext, get_signal, signal_name
+from gearlab.signals.registry import (PASS_SIGNALS, TEACHER_SIGNALS, Signal, SignalContext, get_signal, signal_name,
+                                      signals_on_gathered_weights)
 
 
 @dataclass
@@ -102,14 +103,17 @@ class SignalProvider:
                 m = m * rows.to(m.device).float()[:, None]
             was_training = self.model.training
             self.model.eval()
-            # sharded: the weights gathered once for all of them, since ranks run different numbers of passes; a
-            # Monte-Carlo signal's continuations gather for generation themselves (gearlab.rollout.mc)
-            runs_model = any(get_signal(sig).runs_model for sig in extra)
-            gathered = gathered_for_signals(self.model) if runs_model and resampler is None else \
-                contextlib.nullcontext()
+            # sharded: the weights gathered once for all the signals that run forwards, since ranks run different
+            # numbers of passes; a resampling signal's continuations gather for generation themselves
+            # (gearlab.rollout.mc), so it runs outside that block
+            inside = set(signals_on_gathered_weights(extra))
             try:
-                with gathered:
+                with gathered_for_signals(self.model) if inside else contextlib.nullcontext():
                     for sig in sorted(extra, key=signal_name):
+                        if signal_name(sig) in inside:
+                            signals[sig] = fns[sig](ctx).detach().float() * m
+                for sig in sorted(extra, key=signal_name):
+                    if signal_name(sig) not in inside:
                         signals[sig] = fns[sig](ctx).detach().float() * m
             finally:
                 self.model.train(was_training)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from torch import Tensor, nn
 
@@ -76,13 +76,21 @@ SignalFn = Callable[[SignalContext], Tensor]
 @dataclass(frozen=True)
 class SignalSpec:
     """A registered signal: ``fn`` computes it ([B, T] float; None = a pass signal the provider computes),
-    ``fake`` is how the contract kit fakes it (one of ``FAKES``), ``runs_model`` whether it runs the policy."""
+    ``fake`` is how the contract kit fakes it (one of ``FAKES``), ``runs_model`` whether it runs the policy,
+    ``resamples`` whether it continues the responses through a resampler (``gearlab.signals.mc``)."""
 
     name: str
     fn: SignalFn | None
     fake: str
     doc: str = ""
     runs_model: bool = True  # False: read from the tokens alone (a span mask), no forward of the policy
+    resamples: bool = False  # True: generates continuations, which gather a sharded policy for generation themselves
+
+    @property
+    def needs_gathered_weights(self) -> bool:
+        """Whether the provider must hold a sharded policy gathered while this signal runs: it runs the policy's
+        forwards itself (a pass signal is the provider's own forward; a resampling one gathers for generation)."""
+        return self.fn is not None and self.runs_model and not self.resamples
 
 
 _REGISTRY: dict[str, SignalSpec] = {}
@@ -103,14 +111,17 @@ def _add(spec: SignalSpec) -> None:
     _REGISTRY[spec.name] = spec
 
 
-def register_signal(signal: Signal | str, *, fake: str = "nonneg", doc: str = "",
-                    runs_model: bool = True) -> Callable[[SignalFn], SignalFn]:
+def register_signal(signal: Signal | str, *, fake: str = "nonneg", doc: str = "", runs_model: bool = True,
+                    resamples: bool = False) -> Callable[[SignalFn], SignalFn]:
     """Decorator: ``fn(ctx: SignalContext) -> Tensor [B, T]`` computes ``signal`` (values on masked positions
     are zeroed by the provider). ``runs_model=False`` declares that it reads the tokens only (no forward), so a
-    sharded policy need not be gathered for it. A second, different function for one name is an error."""
+    sharded policy need not be gathered for it; ``resamples=True`` that it continues responses through
+    ``SignalContext.resampler`` (which the caller must then pass). A second, different function for one name is an
+    error."""
 
     def deco(fn: SignalFn) -> SignalFn:
-        _add(SignalSpec(signal_name(signal), fn, fake, doc or (fn.__doc__ or "").strip().split("\n")[0], runs_model))
+        _add(SignalSpec(signal_name(signal), fn, fake, doc or (fn.__doc__ or "").strip().split("\n")[0], runs_model,
+                        resamples))
         return fn
 
     return deco
@@ -137,6 +148,20 @@ def get_signal(signal: Signal | str) -> SignalSpec:
     if name not in _REGISTRY:
         raise KeyError(f"unknown signal {name!r}; known: {', '.join(available_signals())}")
     return _REGISTRY[name]
+
+
+def needs_resampler(needs: Iterable[Signal | str]) -> bool:
+    """Whether signals ``needs`` include one that continues responses (``SignalSpec.resamples``): the caller must
+    then pass a resampler. Unknown names do not count (they are refused where the signals are computed)."""
+    load_builtin_and_installed()
+    return any(_REGISTRY[n].resamples for n in map(signal_name, needs) if n in _REGISTRY)
+
+
+def signals_on_gathered_weights(needs: Iterable[Signal | str]) -> list[str]:
+    """Sorted names of the signals of ``needs`` that run a sharded policy's forwards themselves
+    (``SignalSpec.needs_gathered_weights``): the provider holds the weights gathered while they run, and training
+    refuses FSDP1 on several processes with any of them."""
+    return sorted(signal_name(s) for s in needs if get_signal(s).needs_gathered_weights)
 
 
 def available_signals() -> list[str]:

@@ -22,7 +22,7 @@ from gearlab.core import grpo
 from gearlab.core.batch import RolloutBatch
 from gearlab.config import Config
 from gearlab.credit import CreditAssigner, CreditOutput, Signal
-from gearlab.signals.mc import needs_resampler
+from gearlab.signals.registry import needs_resampler
 from gearlab.credit.diagnostics import credit_diagnostics
 from gearlab.parallel.distributed import (all_reduce_sum, gather_rows, gathered_for_generation, global_max_int,
                                           is_fsdp1)

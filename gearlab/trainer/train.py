@@ -27,8 +27,7 @@ from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, l
 from gearlab.models.prompt_length import check_prompt_lengths, check_task_prompts
 from gearlab.parallel import distributed
 from gearlab.rollout.factory import engine_from_config, resolve_engine
-from gearlab.signals.mc import needs_resampler
-from gearlab.signals.registry import get_signal, signal_name
+from gearlab.signals.registry import signals_on_gathered_weights
 from gearlab.rollout.fast import resolve_attention
 from gearlab.trainer.data import PromptDataModule
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
@@ -84,9 +83,7 @@ def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
         assigner.setup(seed=cfg.trainer.seed, total_steps=cfg.trainer.max_steps, task=task)
     except ValueError as e:
         raise ConfigError(f"assigner {cfg.assigner.name!r} on task {cfg.task.name!r}: {e}") from None
-    # (Monte-Carlo continuations gather the weights for generation, as the rollout does: not concerned)
-    model_based = sorted(signal_name(s) for s in assigner.needs
-                         if get_signal(s).fn is not None and get_signal(s).runs_model and not needs_resampler({s}))
+    model_based = signals_on_gathered_weights(assigner.needs)
     if cfg.trainer.strategy == "fsdp1" and cfg.trainer.devices * cfg.trainer.num_nodes > 1 and model_based:
         raise ConfigError(f"key 'trainer.strategy': fsdp1 gathers the weights at every forward, and the model-based "
                           f"signals of {cfg.assigner.name!r} ({', '.join(model_based)}) run a different number of "

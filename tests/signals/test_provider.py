@@ -96,3 +96,44 @@ def test_signal_passes_leave_cudnn_attention_out_and_restore_it(tiny_model_facto
         _batch(model.config.vocab_size), {Signal.ENTROPY, Signal.TEACHER_KL})
     assert seen == [False] * 4  # 2 micro-batches × (student + teacher), none with cuDNN
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_resampling_signals_run_outside_the_gathered_block(tiny_model_factory, monkeypatch):
+    """A signal that runs the policy runs with the weights held gathered; one that continues responses runs after,
+    outside it (its continuations gather for generation): both in one call, each where it belongs."""
+    import contextlib
+
+    import gearlab.signals.provider as provider
+    import gearlab.signals.registry as registry
+
+    registry.load_builtin_and_installed()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the two test signals leave with the test
+
+    where: dict[str, bool] = {}
+    state = {"inside": False}
+
+    @contextlib.contextmanager
+    def fake_gathered(model):
+        state["inside"] = True
+        try:
+            yield
+        finally:
+            state["inside"] = False
+
+    @registry.register_signal("_test_forward_signal")
+    def forward_signal(ctx):
+        where["forward"] = state["inside"]
+        return ctx.batch.response_mask.float()
+
+    @registry.register_signal("_test_resampling_signal", resamples=True)
+    def resampling_signal(ctx):
+        where["resampling"] = state["inside"]
+        return 2 * ctx.batch.response_mask.float()
+
+    monkeypatch.setattr(provider, "gathered_for_signals", fake_gathered)
+    model = tiny_model_factory(0)
+    b = _batch(model.config.vocab_size)
+    _, sig = SignalProvider(model, temperature=1.0).compute(
+        b, frozenset({"_test_forward_signal", "_test_resampling_signal"}), with_logprobs=False, resampler=object())
+    assert where == {"forward": True, "resampling": False}
+    torch.testing.assert_close(sig["_test_resampling_signal"], 2 * b.response_mask.float())

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from gearlab.signals.registry import FAKES, Signal, available_signals, get_signal
+from gearlab.signals.registry import (FAKES, Signal, available_signals, get_signal, needs_resampler,
+                                      signals_on_gathered_weights)
 
 PLUGIN = textwrap.dedent('''
     """A signal and a credit method that uses it, written outside gearlab."""
@@ -44,6 +45,16 @@ def test_builtin_signals_are_registered_with_a_fake():
     assert get_signal(Signal.ENTROPY).fn is None and get_signal(Signal.REASONING_MASK).fn is not None
     with pytest.raises(KeyError, match="unknown signal 'nope'; known: "):
         get_signal("nope")
+
+
+def test_which_builtin_signals_hold_a_sharded_policy_gathered():
+    # the provider gathers for these (and FSDP1 on several processes is refused with them); pass signals are the
+    # provider's own forward, span masks read tokens only, Monte-Carlo values gather for generation themselves
+    builtin = [n for n in available_signals() if get_signal(n).fn is None or
+               get_signal(n).fn.__module__.startswith("gearlab.signals.")]
+    assert signals_on_gathered_weights(builtin) == [
+        "answer_nll_saliency", "input_grad_saliency", "perturbation_saliency", "span_wasserstein", "sum_pi_squared"]
+    assert needs_resampler({"mc_step_advantage", Signal.ENTROPY}) and not needs_resampler({"entropy", "nope"})
 
 
 def test_signal_from_a_file_is_computed_and_faked(tmp_path, tiny_model_factory, tokenizer):
