@@ -106,15 +106,16 @@ class SignalProvider:
             # sharded: the weights gathered once for all the signals that run forwards, since ranks run different
             # numbers of passes; a resampling signal's continuations gather for generation themselves
             # (gearlab.rollout.mc), so it runs outside that block
-            inside = set(signals_on_gathered_weights(extra))
+            gathered = set(signals_on_gathered_weights(extra))
+            ordered = sorted(extra, key=signal_name)
+            inside = [s for s in ordered if signal_name(s) in gathered]
+            outside = [s for s in ordered if signal_name(s) not in gathered]
             try:
                 with gathered_for_signals(self.model) if inside else contextlib.nullcontext():
-                    for sig in sorted(extra, key=signal_name):
-                        if signal_name(sig) in inside:
-                            signals[sig] = fns[sig](ctx).detach().float() * m
-                for sig in sorted(extra, key=signal_name):
-                    if signal_name(sig) not in inside:
+                    for sig in inside:
                         signals[sig] = fns[sig](ctx).detach().float() * m
+                for sig in outside:
+                    signals[sig] = fns[sig](ctx).detach().float() * m
             finally:
                 self.model.train(was_training)
         return ppass, signals
