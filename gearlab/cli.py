@@ -109,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     print_config = "--print-config" in overrides
     overrides = [o for o in overrides if o != "--print-config"]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not print_config:  # it runs nothing, so it needs no quieting (which imports Lightning: seconds)
-        _quiet()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the report reads many small artifacts
     from gearlab.config import ConfigError, load_config
@@ -132,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(to_yaml(cfg), end="")
             return 0
+        if cmd != "train":  # train quiets after its own checks (_train)
+            _quiet()  # after the config's checks: it imports Lightning (seconds), which bad input need not wait for
         if cmd == "compare":
             return _compare(cfg, overrides)
         if cmd == "report":  # the metric the comparison named before it ran, unless one is asked for here
@@ -285,11 +285,14 @@ def compare_summary(cfg) -> str:
 
 
 def _train(cfg) -> int:
+    from gearlab.trainer.preflight import preflight
+
+    checked = preflight(cfg)  # task, model path, assigner options: a bad one exits before Lightning's import
+    _quiet()
+    from gearlab.parallel.distributed import leave_process_group
     from gearlab.trainer.train import train
 
-    from gearlab.parallel.distributed import leave_process_group
-
-    res = train(cfg)
+    res = train(cfg, checked)
     leave_process_group()
     if res.already_finished:  # nothing done, nothing changed
         from gearlab.trainer.resume import finished_message

@@ -160,6 +160,22 @@ def test_output_dir_without_write_permission(tmp_path, tiny_model_dir):
     assert not any(locked.iterdir())
 
 
+@pytest.mark.parametrize("bad,says", [("rollout.group_size=[4", "override 'rollout.group_size=[4'"),
+                                      ("assigner.options.q_on=1.5", "key 'assigner.options.q_on': must be <= 1.0"),
+                                      ("task.options.path=missing.jsonl", "data file not found: missing.jsonl")])
+def test_bad_input_is_refused_before_lightning_is_imported(tmp_path, tiny_model_dir, bad, says):
+    """A typo costs the config's load and the cheap checks (~2 s), not Lightning's import (~5 s more on 2 cores): the
+    command line checks overrides, assigner options and data files first."""
+    probe = ("import sys; from gearlab.cli import main; rc = main(sys.argv[1:]); "
+             "print('imported lightning:', 'lightning' in sys.modules); sys.exit(rc)")
+    extra = {"assigner.options.q_on=1.5": ["assigner=gear"], "task.options.path=missing.jsonl": ["task=fncall"]}
+    proc = subprocess.run([sys.executable, "-c", probe, "train", f"model.name_or_path={tiny_model_dir}",
+                           f"trainer.output_dir={tmp_path / 'out'}", *extra.get(bad, []), bad],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    _one_line_exit_2(proc.returncode, [ln for ln in proc.stderr.splitlines() if ln.strip()], says)
+    assert proc.stdout.strip() == "imported lightning: False"
+
+
 # -- data files
 # ---------------------------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import pytest
 
 from gearlab.parallel import distributed
 from gearlab.config import ConfigError, conf_dir, load_config
-from gearlab.trainer.train import preflight
+from gearlab.trainer.preflight import preflight
 
 PRESETS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 MATH_TASKS = ("gsm8k", "math", "math500", "aime")  # these need task.options.path (gearlab.tasks.math)

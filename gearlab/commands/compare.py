@@ -100,7 +100,7 @@ def primary_metric(cfg: Config) -> str:
 def compare(cfg: Config, base_overrides: list[str]) -> dict:
     from gearlab.models.prompt_length import check_task_prompts
     from gearlab.trainer.tracking import check_tracking_uri
-    from gearlab.trainer.train import preflight
+    from gearlab.trainer.preflight import preflight
 
     for spec in cfg.assigner.plugins:
         credit.load_module(spec)

@@ -24,8 +24,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch._inductor.config
 from torch import nn
 
 from gearlab.parallel.distributed import decoder_layers
@@ -38,6 +36,8 @@ RECOMPILE_LIMIT = 64
 def raise_recompile_limit() -> None:
     """Let torch.compile keep up to RECOMPILE_LIMIT graphs per function (shapes, bucket lengths) before it falls back \
 to eager."""
+    import torch._dynamo
+
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
     setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
@@ -51,6 +51,8 @@ def deterministic_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[...
     its heuristic's choice instead. It is passed as a compile option, not set globally: Dynamo resets the global
     ``torch._inductor.config.deterministic`` to ``torch.are_deterministic_algorithms_enabled()`` after every frame
     it compiles. ``TORCHINDUCTOR_DETERMINISTIC=0`` in the environment leaves the timing on."""
+    import torch._inductor.config  # here, not at the top: Inductor's import costs ~1.5 s that a config check need not
+
     if hasattr(torch._inductor.config, "deterministic") and os.environ.get("TORCHINDUCTOR_DETERMINISTIC") != "0":
         kwargs["options"] = {**kwargs.get("options", {}), "deterministic": True}
     return torch.compile(fn, **kwargs)

@@ -320,7 +320,7 @@ def gathered_for_signals(model: nn.Module) -> Iterator[None]:
     differs between ranks (rows with nothing to score, rows left out by ``SignalContext.rows``), and passes that
     gathered layer by layer would leave ranks waiting on each other's all-gathers. Entering is the one collective:
     every rank enters. No-op for an unsharded model, and for FSDP1, whose layer units gather at every forward
-    whatever is asked (training refuses FSDP1 with such signals: gearlab.trainer.train.preflight)."""
+    whatever is asked (training refuses FSDP1 with such signals: gearlab.trainer.preflight.preflight)."""
     if is_fsdp1(model):
         yield
         return

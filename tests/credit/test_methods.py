@@ -71,7 +71,7 @@ def test_expand_grid():
 
 
 def test_preflight_refuses_a_bad_grid_option():
-    from gearlab.trainer.train import preflight
+    from gearlab.trainer.preflight import preflight
 
     with pytest.raises(ConfigError, match="assigner.options.q_on"):
         preflight(load_config(["assigner=gear:q_on=2.0", "model.name_or_path=embedded:tiny-random"]))

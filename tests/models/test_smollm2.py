@@ -19,7 +19,7 @@ def test_smollm2_loads_offline_and_generates(tmp_path):
     from gearlab.rollout.base import SamplingParams
     from gearlab.tasks.registry import get_task
     from gearlab.models.loading import load_policy
-    from gearlab.trainer.train import preflight
+    from gearlab.trainer.preflight import preflight
 
     cfg = load_config(
         ["model=smollm2_135m", "task=gsm8k", "task.options.path=sample", f"trainer.output_dir={tmp_path}"]
