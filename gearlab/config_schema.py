@@ -188,6 +188,11 @@ class TrainerConfig:
     num_nodes: int = 1
     # auto = fsdp2 when more than one process in all, else a single device | ddp | fsdp2 | fsdp1 (GPU only)
     strategy: str = "auto"
+    # on CUDA: deterministic kernels (torch.use_deterministic_algorithms, strict; cuBLAS's fixed workspace), so a run
+    # repeats every iteration bit for bit on one kind of card. Without them the fused attention's backward sums in
+    # the order the card schedules: two runs on an H100 differed from iteration 0's gradient. An op without such a
+    # kernel stops the run with one line naming it; false runs it anyway. No effect on a CPU run
+    deterministic: bool = True
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (HF gradient checkpointing)
     # torch.compile each decoder layer for the cache-free forwards (update, log-probs, signals; decoding stays
     # eager) and the log-prob head chunks: fuses the elementwise work between matmuls (gearlab.parallel.compiling)

@@ -51,7 +51,7 @@ FREE_ON_RESUME = frozenset({
     "task.max_prompt_tokens", "trainer.resume",
     "trainer.output_dir", "trainer.run_name",
     "algorithm.micro_batch_size", "algorithm.micro_batch_tokens", "signals.chunk_size",
-    "trainer.activation_checkpointing",
+    "trainer.activation_checkpointing", "trainer.deterministic",
     "eval.checkpoint", "eval.cache_start",
 })
 FREE_SECTIONS = ("warmstart.", "export.", "inspect.", "replay.", "compare.", "credit_eval.")

@@ -28,6 +28,7 @@ from gearlab.parallel import distributed
 from gearlab.rollout.factory import engine_from_config, resolve_engine
 from gearlab.rollout.fast import resolve_attention
 from gearlab.trainer.data import PromptDataModule
+from gearlab.trainer.determinism import explain_nondeterministic_op, use_deterministic_kernels
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
 from gearlab.trainer.preflight import preflight
@@ -304,8 +305,15 @@ def train(cfg: Config, checked: tuple[Task, credit.CreditAssigner] | None = None
         if not Path(cfg.trainer.resume).exists():
             raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
         resume = cfg.trainer.resume
+    use_deterministic_kernels(cfg)  # before any CUDA work
     with run_folder_lock(rdir), RunStop() as stop:
-        return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume, prompts_checked, run_state, stop)
+        try:
+            return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume, prompts_checked, run_state, stop)
+        except RuntimeError as e:
+            err = explain_nondeterministic_op(e)
+            if err is None:
+                raise
+            raise err from e
 
 
 def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir: Path, ckpt_dir: Path,

@@ -1,0 +1,44 @@
+"""Deterministic CUDA kernels for a training run (``trainer.deterministic``): the same command repeats every
+iteration bit for bit on one kind of card.
+
+Without them a GPU run does not repeat itself: two runs of one SmolLM2-135M configuration on an H100 had the same
+first rollout but a different gradient norm in iteration 0 (5th significant digit) and different rollouts from
+iteration 1, through fused attention's backward (PyTorch warns "Memory Efficient attention defaults to a
+non-deterministic algorithm"), whose reductions run in whatever order the card schedules. With
+``torch.use_deterministic_algorithms(True)`` (strict: ``warn_only`` leaves that backward as it is) and cuBLAS's fixed
+workspace, the two runs were equal in every iteration, at the same wall time. The decode and the first rollout were
+unchanged by it. A CPU run is unaffected: its kernels are pinned by ``gearlab.cpu_kernels``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gearlab.config import Config, ConfigError
+
+
+def use_deterministic_kernels(cfg: Config) -> bool:
+    """Turn on deterministic algorithms for this process when ``cfg.trainer.deterministic`` and the run will train on
+    CUDA (``trainer.accelerator`` auto / gpu / cuda with a card present). Call it before the first CUDA work: cuBLAS
+    reads ``CUBLAS_WORKSPACE_CONFIG`` when it makes its first handle. Returns whether it did. With
+    ``rollout.engine=vllm`` the setting is ``warn_only`` (vLLM's own torch code is not checked for it here, so an
+    op of its without a deterministic kernel warns instead of stopping the rollout)."""
+    if not cfg.trainer.deterministic or cfg.trainer.accelerator not in ("auto", "gpu", "cuda"):
+        return False
+    if not torch.cuda.is_available():
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=cfg.rollout.engine == "vllm")
+    return True
+
+
+def explain_nondeterministic_op(e: RuntimeError) -> ConfigError | None:
+    """The one-line error for PyTorch's refusal of an op without a deterministic CUDA kernel, else None."""
+    msg = str(e)
+    if "does not have a deterministic implementation" not in msg:
+        return None
+    op = msg.split(" does not have", 1)[0].strip().splitlines()[-1]
+    return ConfigError(f"key 'trainer.deterministic': {op} has no deterministic CUDA kernel; set "
+                       "trainer.deterministic=false to run without bit-for-bit repeats (the run's last checkpoint "
+                       "is kept: the same command with it resumes)")
