@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlflow
 from mlflow_runs import newest_run
-from rerun_check import KEYS
+from rerun_check import KEYS, first_differences
 
 
 def _history(client: mlflow.MlflowClient, run_id: str) -> dict[str, dict[int, float]]:
@@ -33,17 +33,6 @@ def _stored(store: Path, child: str) -> dict[str, dict[int, float]]:
     return _history(client, runs[0].info.run_id)
 
 
-def compare(ref: dict[str, dict[int, float]], got: dict[str, dict[int, float]]) -> dict:
-    """Per metric: the iterations both have, the first where they differ and the two values there."""
-    out = {}
-    for k in ref:
-        steps = sorted(set(ref[k]) & set(got[k]))
-        differ = [s for s in steps if ref[k][s] != got[k][s]]
-        out[k] = {"iterations": len(steps), "first_differing": differ[0] if differ else None,
-                  "values_at_first": [ref[k][differ[0]], got[k][differ[0]]] if differ else None}
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("store", type=Path)
@@ -52,12 +41,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     ref = _stored(args.store, args.child)
-    got = {str(r): _history(*(lambda c, run: (c, run.info.run_id))(*newest_run(r))) for r in args.runs}
-    out: dict = {"child": args.child, "vs_store": {r: compare(ref, h) for r, h in got.items()}}
+    got = {}
+    for r in args.runs:
+        client, run = newest_run(r)
+        got[str(r)] = _history(client, run.info.run_id)
+    out: dict = {"child": args.child, "vs_store": {r: first_differences(ref, h) for r, h in got.items()}}
     if len(got) > 1:
         first, *rest = got.values()
         out["runs_repeat_each_other"] = all(v["first_differing"] is None for h in rest
-                                            for v in compare(first, h).values())
+                                            for v in first_differences(first, h).values())
     out["equal_to_store"] = all(v["first_differing"] is None and (v["iterations"] > 0 or k == "eval/avg_at_4")
                                 for res in out["vs_store"].values() for k, v in res.items())
     text = json.dumps(out, indent=1)

@@ -25,19 +25,25 @@ def _histories(root: Path) -> dict[str, dict[int, float]]:
     return {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in KEYS}
 
 
+def first_differences(a: dict[str, dict[int, float]], b: dict[str, dict[int, float]]) -> dict:
+    """Per metric of ``a``: the iterations both histories have, the first where they differ (None: none) and the two
+    values there."""
+    out = {}
+    for k in a:
+        steps = sorted(set(a[k]) & set(b[k]))
+        differ = [s for s in steps if a[k][s] != b[k][s]]
+        out[k] = {"iterations": len(steps), "first_differing": differ[0] if differ else None,
+                  "values_at_first": [a[k][differ[0]], b[k][differ[0]]] if differ else None}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("a", type=Path)
     ap.add_argument("b", type=Path)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    ha, hb = _histories(args.a), _histories(args.b)
-    out: dict = {}
-    for k in KEYS:
-        steps = sorted(set(ha[k]) & set(hb[k]))
-        differ = [s for s in steps if ha[k][s] != hb[k][s]]
-        out[k] = {"iterations": len(steps), "first_differing": differ[0] if differ else None,
-                  "values_at_first": [ha[k][differ[0]], hb[k][differ[0]]] if differ else None}
+    out: dict = first_differences(_histories(args.a), _histories(args.b))
     out["repeated"] = all(v["first_differing"] is None and v["iterations"] > 0 for v in out.values())
     text = json.dumps(out, indent=1)
     print(text)
