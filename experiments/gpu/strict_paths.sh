@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# trainer.deterministic (on by default: strict deterministic algorithms on CUDA) on the GPU paths it had not run on,
+# on a lent card (device `run`, carry [".whl"]; `fsdp` needs a 2-GPU kind). Parts run in the order given:
+#   methods  every credit method (conf/assigner/*.yaml) for one iteration of arith_long_gpu from a 50-step warm start,
+#            rollout.engine=auto (the fast decoder, split-K attention), 3 runs per card at once: a method whose ops
+#            have no deterministic CUDA kernel stops with exit 2 and one line naming trainer.deterministic
+#   compile  trainer.compile=true, the same 3-iteration GEAR run twice, experiments/gpu/rerun_check.py on the pair
+#   tool     multi-turn (experiment=tool_tiny on the GPU from a 200-step GPU warm start, gigpo: per-turn credit),
+#            3 iterations twice, rerun_check
+#   fsdp     1 GPU vs 2 GPUs, FSDP2, bf16-mixed: experiments/gpu/world_size_trace.sh SET=mixed (the committed
+#            figures in experiments/results/world_size_gpu/ predate the flag), then SET=one (unsharded vs FSDP2 on one
+#            card, with and without activation checkpointing)
+# Writes $OUT/strict_<part>.json (and each run's last log lines under $OUT/logs/); prints a summary per part.
+[[ -n ${NO_SITE:-} ]] || . experiments/gpu/site.sh  # NO_SITE=1: the current Python (a dry run on a CPU)
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
+mkdir -p "$OUT/logs"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); (( NG > 0 )) || NG=1
+short=${STRICT_ARGS:-"experiment=arith_long_gpu rollout.engine=auto warmstart.steps=50 eval.num_problems=0 credit_eval.after_training=false trainer.progress_bar=false"}
+
+one_method() {  # $1 = assigner, $2 = card: one iteration; prints "name rc last-line"
+  local a=$1 log=$OUT/logs/method_$1.log
+  CUDA_VISIBLE_DEVICES=$2 timeout 300 gearlab train $short assigner="$a" trainer.max_steps=1 \
+    trainer.output_dir=runs/strict_methods trainer.run_name="$a" > "$log" 2>&1
+  local rc=$?
+  echo "$a $rc $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-300)"
+}
+export -f one_method; export short OUT
+
+rerun_pair() {  # $1 = name, rest = overrides: the same run twice (own output folders), then rerun_check
+  local name=$1; shift
+  for x in a b; do
+    timeout 280 gearlab train "$@" trainer.output_dir=runs/strict_${name}_$x > "$OUT/logs/${name}_$x.log" 2>&1
+    echo "$name $x rc=$?"; grep -v '^\s*$' "$OUT/logs/${name}_$x.log" | tail -1 | cut -c1-300
+  done
+  python experiments/gpu/rerun_check.py runs/strict_${name}_a runs/strict_${name}_b --out "$OUT/strict_$name.json"
+  echo "$name rerun_check rc=$?"
+}
+
+for part in "$@"; do
+  case $part in
+  methods)
+    rm -rf runs/strict_methods
+    one_method grpo 0 > "$OUT/methods.txt"  # makes the shared warm start first
+    ls ${METHODS:-conf/assigner/*.yaml} | xargs -n1 basename | sed 's/\.yaml$//' | grep -vx grpo | awk -v n="$NG" '{print $1, (NR-1)%n}' \
+      | xargs -P $((3 * NG)) -L1 bash -c 'one_method "$0" "$1"' >> "$OUT/methods.txt"
+    sort "$OUT/methods.txt" | cut -c1-200
+    python3 - "$OUT/methods.txt" "$OUT/strict_methods.json" <<'P'
+import json, sys
+rows = [l.split(" ", 2) for l in open(sys.argv[1]) if l.strip()]
+res = {r[0]: {"rc": int(r[1]), "last_line": r[2].strip() if len(r) > 2 else ""} for r in rows}
+json.dump(res, open(sys.argv[2], "w"), indent=1)
+print("methods:", len(res), "ran:", sum(v["rc"] == 0 for v in res.values()),
+      "stopped by trainer.deterministic:", [k for k, v in res.items() if "trainer.deterministic" in v["last_line"]])
+P
+    ;;
+  compile) rerun_pair compile $short assigner=gear trainer.compile=true trainer.max_steps=3 ;;
+  tool) rerun_pair tool experiment=tool_tiny trainer.accelerator=gpu warmstart.device=cuda warmstart.steps=200 assigner=gigpo trainer.max_steps=3 \
+          eval.num_problems=0 credit_eval.after_training=false ;;
+  fsdp)
+    SET=mixed OUT=$OUT/fsdp_mixed bash experiments/gpu/world_size_trace.sh
+    SET=one OUT=$OUT/fsdp_one bash experiments/gpu/world_size_trace.sh ;;
+  *) echo "unknown part $part (methods | compile | tool | fsdp)"; exit 2 ;;
+  esac
+done
