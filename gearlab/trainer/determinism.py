@@ -11,26 +11,35 @@ unchanged by it. A CPU run is unaffected: its kernels are pinned by ``gearlab.cp
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
 from gearlab.config import Config, ConfigError
 
 
-def use_deterministic_kernels(cfg: Config) -> bool:
-    """Turn on deterministic algorithms for this process when ``cfg.trainer.deterministic`` and the run will train on
-    CUDA (``trainer.accelerator`` auto / gpu / cuda with a card present). Call it before the first CUDA work: cuBLAS
-    reads ``CUBLAS_WORKSPACE_CONFIG`` when it makes its first handle. Returns whether it did. With
-    ``rollout.engine=vllm`` the setting is ``warn_only`` (vLLM's own torch code is not checked for it here, so an
-    op of its without a deterministic kernel warns instead of stopping the rollout)."""
-    if not cfg.trainer.deterministic or cfg.trainer.accelerator not in ("auto", "gpu", "cuda"):
-        return False
-    if not torch.cuda.is_available():
-        return False
+@contextlib.contextmanager
+def deterministic_kernels(cfg: Config) -> Iterator[bool]:
+    """Deterministic algorithms for the duration of a run when ``cfg.trainer.deterministic`` and the run will train on
+    CUDA (``trainer.accelerator`` auto / gpu / cuda with a card present); yields whether it turned them on. Enter it
+    before the first CUDA work: cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it makes its first handle (the variable
+    stays set afterwards; alone it only fixes cuBLAS's workspace). On exit PyTorch's previous setting is back, so code
+    that runs after ``train()`` in the same process is not held to it. With ``rollout.engine=vllm`` the setting is
+    ``warn_only`` (vLLM's own torch code is not checked for it here, so an op of its without a deterministic kernel
+    warns instead of stopping the rollout)."""
+    if not cfg.trainer.deterministic or cfg.trainer.accelerator not in ("auto", "gpu", "cuda") \
+            or not torch.cuda.is_available():
+        yield False
+        return
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=cfg.rollout.engine == "vllm")
-    return True
+    try:
+        yield True
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def explain_nondeterministic_op(e: RuntimeError) -> ConfigError | None:

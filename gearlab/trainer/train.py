@@ -28,7 +28,7 @@ from gearlab.parallel import distributed
 from gearlab.rollout.factory import engine_from_config, resolve_engine
 from gearlab.rollout.fast import resolve_attention
 from gearlab.trainer.data import PromptDataModule
-from gearlab.trainer.determinism import explain_nondeterministic_op, use_deterministic_kernels
+from gearlab.trainer.determinism import deterministic_kernels, explain_nondeterministic_op
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
 from gearlab.trainer.preflight import preflight
@@ -305,8 +305,7 @@ def train(cfg: Config, checked: tuple[Task, credit.CreditAssigner] | None = None
         if not Path(cfg.trainer.resume).exists():
             raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
         resume = cfg.trainer.resume
-    use_deterministic_kernels(cfg)  # before any CUDA work
-    with run_folder_lock(rdir), RunStop() as stop:
+    with deterministic_kernels(cfg), run_folder_lock(rdir), RunStop() as stop:  # before any CUDA work
         try:
             return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume, prompts_checked, run_state, stop)
         except RuntimeError as e:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gearlab.config import load_config
-from gearlab.trainer.determinism import explain_nondeterministic_op, use_deterministic_kernels
+from gearlab.trainer.determinism import deterministic_kernels, explain_nondeterministic_op
 
 
 @pytest.fixture
@@ -24,8 +24,9 @@ def test_a_cpu_run_keeps_torchs_setting(restore_flags):
     before = torch.are_deterministic_algorithms_enabled()
     if torch.cuda.is_available():
         pytest.skip("this machine has a card")
-    assert use_deterministic_kernels(load_config([])) is False
-    assert torch.are_deterministic_algorithms_enabled() == before
+    with deterministic_kernels(load_config([])) as on:
+        assert on is False
+        assert torch.are_deterministic_algorithms_enabled() == before
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
 
 
@@ -38,11 +39,22 @@ def test_a_cpu_run_keeps_torchs_setting(restore_flags):
 def test_a_cuda_run_turns_strict_determinism_on(restore_flags, monkeypatch, overrides, on, warn_only):
     torch.use_deterministic_algorithms(False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert use_deterministic_kernels(load_config(overrides)) is on
-    assert torch.are_deterministic_algorithms_enabled() is on
-    if on:
-        assert torch.is_deterministic_algorithms_warn_only_enabled() is warn_only
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    with deterministic_kernels(load_config(overrides)) as turned_on:
+        assert turned_on is on
+        assert torch.are_deterministic_algorithms_enabled() is on
+        if on:
+            assert torch.is_deterministic_algorithms_warn_only_enabled() is warn_only
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.are_deterministic_algorithms_enabled() is False  # the process's setting is back after the run
+
+
+def test_the_previous_setting_is_back_even_when_the_run_fails(restore_flags, monkeypatch):
+    torch.use_deterministic_algorithms(True, warn_only=True)  # e.g. a notebook that chose warn_only itself
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="boom"), deterministic_kernels(load_config([])):
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # strict inside the run
+        raise RuntimeError("boom")
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 def test_pytorchs_refusal_becomes_one_line_naming_the_key():
