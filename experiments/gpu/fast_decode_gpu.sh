@@ -31,6 +31,7 @@
 # gearlab_vllm / trl_vllm bench variants use it.
 # Results land in $OUT; name the card (nvidia-smi's line is printed first) next to every number you copy.
 set -uo pipefail
+. experiments/gpu/rerun_pair.sh
 VSITE=${VLLM_SITE:-/tmp/vsite}  # (vllm_bring.sh's default: /tmp is what survives between warm calls)
 MARK=${TMPDIR:-/tmp}/.gearlab_installed
 for d in .wo .wa .wb .whl .trlw; do
@@ -83,14 +84,9 @@ for part in "$@"; do
     echo "auto rc=$?"; grep -hE "^ *(engine|attention): " $(find runs/auto -name config.yaml | head -1)
     python experiments/gpu/varlen_summary.py runs/auto > "$OUT/auto_summary.json"; cat "$OUT/auto_summary.json" ;;
   rerun)
-    for x in a b; do
-      timeout ${RERUN_TIMEOUT:-150} gearlab train experiment=${RERUN_EXP:-arith_long_gpu} rollout.engine=auto \
-        assigner=${RERUN_ASSIGNER:-gear} ${RERUN_ARGS:-warmstart.steps=50} trainer.max_steps=${RERUN_STEPS:-4} \
-        trainer.output_dir=runs/rerun_$x eval.num_problems=32 trainer.progress_bar=false > "$OUT/rerun_$x.log" 2>&1
-      echo "rerun $x rc=$?"
-    done
-    python experiments/gpu/rerun_check.py runs/rerun_a runs/rerun_b --out "$OUT/rerun_${card:-gpu}.json"
-    echo "rerun_check rc=$?" ;;
+    RERUN_TIMEOUT=${RERUN_TIMEOUT:-150} rerun_pair rerun "$OUT/rerun_${card:-gpu}.json" experiment=${RERUN_EXP:-arith_long_gpu} \
+      rollout.engine=auto assigner=${RERUN_ASSIGNER:-gear} ${RERUN_ARGS:-warmstart.steps=50} \
+      trainer.max_steps=${RERUN_STEPS:-4} eval.num_problems=32 trainer.progress_bar=false ;;
   *) echo "unknown part $part (check | attn | auto | credit | bench | vllm | rerun | varlen)"; exit 2 ;;
   esac
 done

@@ -10,7 +10,7 @@
 #   fsdp     1 GPU vs 2 GPUs, FSDP2, bf16-mixed: experiments/gpu/world_size_trace.sh SET=mixed (the committed
 #            figures in experiments/results/world_size_gpu/ predate the flag), then SET=one (unsharded vs FSDP2 on one
 #            card, with and without activation checkpointing)
-# Writes $OUT/strict_<part>.json (and each run's last log lines under $OUT/logs/); prints a summary per part.
+# Writes $OUT/strict_<part>.json and the runs' logs ($OUT/logs/ for methods); prints a summary per part.
 [[ -n ${NO_SITE:-} ]] || . experiments/gpu/site.sh  # NO_SITE=1: the current Python (a dry run on a CPU)
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/logs"
@@ -27,15 +27,7 @@ one_method() {  # $1 = assigner, $2 = card: one iteration; prints "name rc last-
 }
 export -f one_method; export short OUT
 
-rerun_pair() {  # $1 = name, rest = overrides: the same run twice (own output folders), then rerun_check
-  local name=$1; shift
-  for x in a b; do
-    timeout 280 gearlab train "$@" trainer.output_dir=runs/strict_${name}_$x > "$OUT/logs/${name}_$x.log" 2>&1
-    echo "$name $x rc=$?"; grep -v '^\s*$' "$OUT/logs/${name}_$x.log" | tail -1 | cut -c1-300
-  done
-  python experiments/gpu/rerun_check.py runs/strict_${name}_a runs/strict_${name}_b --out "$OUT/strict_$name.json"
-  echo "$name rerun_check rc=$?"
-}
+. experiments/gpu/rerun_pair.sh
 
 for part in "$@"; do
   case $part in
@@ -54,8 +46,8 @@ print("methods:", len(res), "ran:", sum(v["rc"] == 0 for v in res.values()),
       "stopped by trainer.deterministic:", [k for k, v in res.items() if "trainer.deterministic" in v["last_line"]])
 P
     ;;
-  compile) rerun_pair compile $short assigner=gear trainer.compile=true trainer.max_steps=3 ;;
-  tool) rerun_pair tool experiment=tool_tiny trainer.accelerator=gpu warmstart.device=cuda warmstart.steps=200 assigner=gigpo trainer.max_steps=3 \
+  compile) rerun_pair strict_compile "$OUT/strict_compile.json" $short assigner=gear trainer.compile=true trainer.max_steps=3 ;;
+  tool) rerun_pair strict_tool "$OUT/strict_tool.json" experiment=tool_tiny trainer.accelerator=gpu warmstart.device=cuda warmstart.steps=200 assigner=gigpo trainer.max_steps=3 \
           eval.num_problems=0 credit_eval.after_training=false ;;
   fsdp)
     SET=mixed OUT=$OUT/fsdp_mixed bash experiments/gpu/world_size_trace.sh
