@@ -42,6 +42,7 @@ from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.factory import engine_from_config
 from gearlab.signals.spans import answer_positions, locate_errors
 from gearlab.tasks.registry import task_from_config
+from gearlab.trainer.determinism import deterministic_kernels
 
 SCORES = ("auroc", "blame_ratio", "prefix_share", "onset_precision", "onset_recall")
 #: added to the scored methods when ``credit_eval.controls`` is on and GEAR is scored
@@ -98,7 +99,14 @@ def reasoning_error_scores(
 def credit_eval(cfg: Config, *, model: Any = None, tokenizer: Any = None, model_name: str | None = None,
                 run_id: str | None = None, out_dir: Path | None = None, log: bool = True) -> dict[str, Any]:
     """Run the evaluation (see the module docstring) and return the ``credit_eval.json`` record. With ``model`` the
-    given weights are scored (a training run's final model); ``run_id`` logs to that MLflow run."""
+    given weights are scored (a training run's final model); ``run_id`` logs to that MLflow run. On a card it runs
+    with ``trainer.deterministic``'s kernels, as training does, so the same command repeats its scores."""
+    with deterministic_kernels(cfg, after="no score was written"):
+        return _evaluate(cfg, model, tokenizer, model_name, run_id, out_dir, log)
+
+
+def _evaluate(cfg: Config, model: Any, tokenizer: Any, model_name: str | None, run_id: str | None,
+              out_dir: Path | None, log: bool) -> dict[str, Any]:
     from gearlab.commands.inspect import run_assigners
     from gearlab.commands.replay import cached_rollouts
 

@@ -28,7 +28,7 @@ from gearlab.parallel import distributed
 from gearlab.rollout.factory import engine_from_config, resolve_engine
 from gearlab.rollout.fast import resolve_attention
 from gearlab.trainer.data import PromptDataModule
-from gearlab.trainer.determinism import deterministic_kernels, explain_nondeterministic_op
+from gearlab.trainer.determinism import deterministic_kernels
 from gearlab.trainer.module import GRPOModule, NonFiniteLossError
 from gearlab.tasks.base import Task
 from gearlab.trainer.preflight import preflight
@@ -306,13 +306,7 @@ def train(cfg: Config, checked: tuple[Task, credit.CreditAssigner] | None = None
             raise ConfigError(f"key 'trainer.resume': checkpoint not found: {cfg.trainer.resume}")
         resume = cfg.trainer.resume
     with deterministic_kernels(cfg), run_folder_lock(rdir), RunStop() as stop:  # before any CUDA work
-        try:
-            return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume, prompts_checked, run_state, stop)
-        except RuntimeError as e:
-            err = explain_nondeterministic_op(e)
-            if err is None:
-                raise
-            raise err from e
+        return _train_locked(cfg, task, assigner, rdir, ckpt_dir, resume, prompts_checked, run_state, stop)
 
 
 def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir: Path, ckpt_dir: Path,

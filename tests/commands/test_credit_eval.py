@@ -208,3 +208,23 @@ def test_gearlab_credit_eval_against_monte_carlo_onsets(tmp_path):
     assert kp["n"] == mc["n_with_onset"] and sum(kp["offset_hist"].values()) == kp["n"]
     assert 0 <= kp["share_in_onset_step"] <= 1 and 0 < kp["chance"] <= 1
     assert "credit vs Monte-Carlo onsets" in (tmp_path / "out" / "credit_eval.md").read_text()
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_credit_eval_on_a_card_scores_under_trainer_deterministic(monkeypatch, deterministic):
+    """The scores repeat on a card only if the evaluation's rollouts and signals run with the training run's
+    deterministic kernels; PyTorch's setting is back afterwards (the CPU scoring itself is shown by the tests above)."""
+    from gearlab.commands import credit_eval as ce
+    from gearlab.config import load_config
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # set by the context: gone after the test
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    seen = []
+    monkeypatch.setattr(ce, "_evaluate", lambda *a: seen.append(torch.are_deterministic_algorithms_enabled()) or {})
+    try:
+        ce.credit_eval(load_config([f"trainer.deterministic={str(deterministic).lower()}"]))
+        assert seen == [deterministic] and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from gearlab.config import load_config
+from gearlab.config import ConfigError, load_config
 from gearlab.trainer.determinism import deterministic_kernels, explain_nondeterministic_op
 
 
@@ -57,13 +57,27 @@ def test_the_previous_setting_is_back_even_when_the_run_fails(restore_flags, mon
     assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
 
 
+REFUSAL = (  # the text of ATen's alertNotDeterministic
+    "index_add_cuda_ does not have a deterministic implementation, but you set "
+    "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation, or you "
+    "can use the 'warn_only=True' option, if that's acceptable for your application.")
+
+
 def test_pytorchs_refusal_becomes_one_line_naming_the_key():
-    refusal = RuntimeError(  # the text of ATen's alertNotDeterministic
-        "index_add_cuda_ does not have a deterministic implementation, but you set "
-        "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation, or you "
-        "can use the 'warn_only=True' option, if that's acceptable for your application.")
+    refusal = RuntimeError(REFUSAL)
     err = explain_nondeterministic_op(refusal)
     assert err is not None and "\n" not in str(err)
     assert str(err).startswith("key 'trainer.deterministic': index_add_cuda_ has no deterministic CUDA kernel")
     assert "trainer.deterministic=false" in str(err)
     assert explain_nondeterministic_op(RuntimeError("CUDA out of memory")) is None
+
+
+def test_a_refusal_inside_the_context_leaves_it_as_that_line(restore_flags, monkeypatch):
+    torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError) as got, deterministic_kernels(load_config([]), after="nothing was written"):
+        raise RuntimeError(REFUSAL)
+    assert str(got.value).endswith("trainer.deterministic=false to run without bit-for-bit repeats (nothing was "
+                                   "written)")
+    assert isinstance(got.value.__cause__, RuntimeError)  # PyTorch's own message stays in the chain
+    assert torch.are_deterministic_algorithms_enabled() is False
