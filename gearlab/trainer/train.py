@@ -29,7 +29,8 @@ from gearlab.rollout.factory import engine_from_config, resolve_engine
 from gearlab.rollout.fast import resolve_attention
 from gearlab.trainer.data import PromptDataModule
 from gearlab.trainer.determinism import deterministic_kernels
-from gearlab.trainer.module import GRPOModule, NonFiniteLossError
+from gearlab.trainer.module import GRPOModule
+from gearlab.trainer.update import NonFiniteLossError
 from gearlab.tasks.base import Task
 from gearlab.trainer.preflight import preflight
 from gearlab.trainer.resume import RunState, check_resolved, check_resume, pin_summary, record_extension, saved_yaml

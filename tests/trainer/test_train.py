@@ -114,7 +114,7 @@ def test_train_against_a_real_mlflow_server(tmp_path, tiny_model_dir, mlflow_ser
 
 def test_nonfinite_loss_skips_the_step_then_stops_with_a_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
     from gearlab.core import grpo
-    from gearlab.trainer.module import NonFiniteLossError
+    from gearlab.trainer.update import NonFiniteLossError
 
     real = grpo.policy_loss
     calls = {"n": 0}
