@@ -307,7 +307,7 @@ def test_parent_run_gets_the_headline_metrics(tmp_path):
 def test_report_is_the_parent_runs_description_and_the_summary_opens_the_runs(tmp_path, monkeypatch):
     """report.md becomes the parent run's description (the tag the MLflow UI shows on the run's page), and the closing
     lines give the address of the experiment's runs, the task keys in the inspect line."""
-    from gearlab.cli import compare_summary
+    from gearlab.commands.closing import compare_summary
 
     uri, client, pid = _fake_comparison(tmp_path, "desc", {(a, s): (0.5, [0.1, 0.2], _tags()) for a in ("grpo", "gear")
                                                          for s in (0, 1, 2)})

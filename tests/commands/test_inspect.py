@@ -41,7 +41,8 @@ def test_the_inspect_line_after_a_tool_task_run_is_a_command_that_works(tmp_path
     import shlex
     import shutil
 
-    from gearlab.cli import main, train_summary
+    from gearlab.cli import main
+    from gearlab.commands.closing import train_summary
     from gearlab.trainer.train import TrainResult
 
     cfg = load_config(["task=tool_arith", f"trainer.output_dir={tmp_path}", "rollout.group_size=2",

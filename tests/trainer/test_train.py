@@ -183,7 +183,7 @@ def test_no_learning_signal_is_warned_and_training_problems_are_not_called_held_
     nothing calls it held-out; eval/avg_at_2 is read back by that, the documented, name."""
     import logging
 
-    from gearlab.cli import train_summary
+    from gearlab.commands.closing import train_summary
     from gearlab.commands.compare import primary_metric
 
     data = tmp_path / "rows.jsonl"
@@ -298,7 +298,7 @@ def test_ctrl_c_stops_at_an_iteration_boundary_and_resumes_once(tmp_path, tiny_m
     import signal
 
     from gearlab.trainer import module as module_mod
-    from gearlab.cli import train_summary
+    from gearlab.commands.closing import train_summary
 
     real = module_mod.GRPOModule._update
 
