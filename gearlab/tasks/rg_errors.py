@@ -1,6 +1,6 @@
 """Error location for reasoning-gym completions: the span of the first wrong step of a failed completion.
 
-X reasoning-gym task (``task=rg``) passes the reasoning-gym entry
+A reasoning-gym task (``task=rg``) passes the reasoning-gym entry
 (``question``, ``answer``, ``metadata``) and the completion. Contract as in
 :meth:`gearlab.tasks.base.Task.locate_error`: a span ``(start, end)`` in the completion's coordinates,
 never empty; None when the outcome is correct or when it cannot tell; never raises.
@@ -48,6 +48,7 @@ from fractions import Fraction
 from numbers import Rational, Real
 
 from gearlab.tasks.base import line_spans
+from gearlab.tasks.rg_expr import is_expr, parse, tokens
 
 __all__ = ["SUPPORTED", "locate_arith_error", "locate_gsm_error"]
 
@@ -77,21 +78,10 @@ _WORD_VALUES = {
 _COUNT_WORDS = frozenset(  # a count word before a number multiplies it: "two 3-hour episodes" (6 hours)
     "one two three four five six seven eight nine ten eleven twelve twenty thirty forty fifty".split()
 )
-_MINUS = "-\u2212\u2013"  # hyphen, minus sign, en dash
-_TOKEN_RE = re.compile(
-    r"(?P<frac>(?<![\d/.,])(?P<fnum>\d{1,12})/(?P<fden>\d{1,12})(?![\d/]|\.\d))"
-    r"|(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?P<pct>\s?%)?"
-    r"|(?P<unit>/\s*[A-Za-z]+)"
-    r"|(?P<op>[-+*/×÷·\u2212\u2013]|(?<![A-Za-z])[xX](?![A-Za-z]))"
-    r"|(?P<lp>\()|(?P<rp>\))|(?P<eq>=)"
-    r"|(?P<skip>[A-Za-z_']+|[$£€¥₹\s])"
-    r"|(?P<brk>.)"
-)
-_BULLET_RE = re.compile(r"^\s*[-*+]\s")
 _TOLERANCE = Fraction(1, 10**6)  # arithmetic: relative tolerance between the two sides
 _NOISE = Fraction(1, 10**9)  # provenance: relative tolerance to a known quantity (float print noise)
 _WINDOW = 64  # tokens: the longest expression looked for (chain_sum's 12 terms are 23 tokens)
-_MAX_DIGITS = 100  # a longer "number" is not a quantity (and keeps Fraction/int conversions cheap)
+
 
 
 def locate_gsm_error(entry: dict, completion: str, *, correct: bool | None = None) -> tuple[int, int] | None:
@@ -216,7 +206,7 @@ def _check_line(line: str, q: _Quantities) -> bool:
     What is learnt: module docstring. Chains are checked left to right (a chain's results are known to
     the chains after it); prose numbers are learnt before the chains and again after them.
     """
-    toks = _tokens(line)
+    toks = tokens(line)
     chains: list[list[list[tuple]]] = []
     i, bound = 0, 0
     while i < len(toks):
@@ -258,14 +248,14 @@ def _chain(toks: list[tuple], bound: int, eq: int) -> tuple[list[list[tuple]] | 
             start = j + 1
             break
     lo = max(start, eq - _WINDOW)
-    first = next((j for j in range(lo, eq) if _is_expr(toks[j:eq])), None)
+    first = next((j for j in range(lo, eq) if is_expr(toks[j:eq])), None)
     if first is None or (lo > start and toks[first - 1][0] in ("op", "lp")):
         return None, eq + 1  # none, or one the window may have cut
     segs, pos = [toks[first:eq]], eq
     while pos < len(toks) and toks[pos][0] == "eq":
         stop = next((k for k in range(pos + 1, len(toks)) if toks[k][0] in ("eq", "brk")), len(toks))
         hi = min(stop, pos + 1 + _WINDOW)
-        seg = next((toks[pos + 1:k] for k in range(hi, pos + 1, -1) if _is_expr(toks[pos + 1:k])), None)
+        seg = next((toks[pos + 1:k] for k in range(hi, pos + 1, -1) if is_expr(toks[pos + 1:k])), None)
         if seg is None or (hi < stop and toks[pos + 1 + len(seg)][0] in ("op", "rp")):
             break
         segs.append(seg)
@@ -283,7 +273,7 @@ def _chain_ok(chain: list[list[tuple]], q: _Quantities) -> bool:
     if any(t[0] == "num" and not t[4] and not q.allowed(t[2]) for t in computed):
         return False
     try:
-        values = [_parse(seg, q.floor_div) for seg in chain]
+        values = [parse(seg, q.floor_div) for seg in chain]
     except ZeroDivisionError:
         return False
     pairs = zip(values, chain, values[1:], chain[1:])
@@ -307,103 +297,6 @@ def _agree(a: Fraction, seg_a: list[tuple], b: Fraction, seg_b: list[tuple], rou
             if rounding and not decimals and other.denominator != 1 and abs(stated - other) < 1:
                 return True
     return False
-
-
-def _tokens(line: str) -> list[tuple]:
-    """Tokens: ("num", value, written, decimals, exempt), ("op", c), ("lp",), ("rp",), ("eq",), ("brk",).
-
-    A number's value applies its "%" (/100); `written` is the number as written (the provenance key).
-    Words, currency signs, spaces and unit suffixes ("/day") are dropped; a leading "- " / "* " / "+ "
-    is a list bullet (dropped); a number written against "(" multiplies it ("2(98+57)"). A fraction
-    written tight, "2/3", is one quantity: parenthesised, so "14÷2/3" is 14 ÷ (2/3); a proper one with a
-    denominator up to 12 (halves ... twelfths: "1/12" of an hour) is `exempt` from provenance.
-    """
-    out: list[tuple] = []
-    line = _BULLET_RE.sub(lambda m: " " * len(m[0]), line, count=1)
-    num_end = -1
-    for m in _TOKEN_RE.finditer(line):
-        if m["lp"] and m.start() == num_end:
-            out.append(("op", "*"))  # "2(98+57)": a number written against "(" multiplies it
-        num_end = m.end() if m["num"] else -1
-        if m["frac"]:
-            p, d = int(m["fnum"]), int(m["fden"])
-            exempt = 0 < p < d <= 12
-            a, b = (("num", Fraction(x), Fraction(x), 0, exempt) for x in (p, d))
-            out.extend([("lp",), a, ("op", "/"), b, ("rp",)])
-        elif m["num"]:
-            text = m["num"].replace(",", "")
-            if len(text) > _MAX_DIGITS:
-                out.append(("brk",))
-                continue
-            written = Fraction(text)
-            decimals = len(text.split(".")[1]) if "." in text else 0
-            out.append(("num", written / 100 if m["pct"] else written, written, decimals, False))
-        elif m["op"]:
-            c = m["op"]
-            out.append(("op", "-" if c in _MINUS else "*" if c in "×xX·" else "/" if c == "÷" else c))
-        elif m["lp"] or m["rp"] or m["eq"] or m["brk"]:
-            out.append((m.lastgroup,))
-    return out
-
-
-def _is_expr(toks: list[tuple]) -> bool:
-    """`toks` is one whole expression (a division by zero included: it is wrong, not unparseable)."""
-    try:
-        return _parse(toks) is not None
-    except ZeroDivisionError:
-        return True
-
-
-def _parse(toks: list[tuple], floor_div: bool = False) -> Fraction | None:
-    """Value of `toks` as one whole expression (precedence, parentheses, unary minus), or None.
-
-    `floor_div`: "/" is floor division (basic_arithmetic computes its answers so). Raises ZeroDivisionError
-    on a division by zero.
-    """
-    pos = 0
-
-    def expr() -> Fraction | None:
-        nonlocal pos
-        v = term()
-        while v is not None and pos < len(toks) and toks[pos] in (("op", "+"), ("op", "-")):
-            op = toks[pos][1]
-            pos += 1
-            w = term()
-            v = None if w is None else v + w if op == "+" else v - w
-        return v
-
-    def term() -> Fraction | None:
-        nonlocal pos
-        v = unary()
-        while v is not None and pos < len(toks) and toks[pos] in (("op", "*"), ("op", "/")):
-            op = toks[pos][1]
-            pos += 1
-            w = unary()
-            v = None if w is None else v * w if op == "*" else Fraction(v // w) if floor_div else v / w
-        return v
-
-    def unary() -> Fraction | None:
-        nonlocal pos
-        if pos < len(toks) and toks[pos] == ("op", "-"):
-            pos += 1
-            v = unary()
-            return None if v is None else -v
-        if pos < len(toks) and toks[pos][0] == "num":
-            pos += 1
-            return toks[pos - 1][1]
-        if pos < len(toks) and toks[pos][0] == "lp":
-            pos += 1
-            v = expr()
-            if v is None or pos >= len(toks) or toks[pos][0] != "rp":
-                return None
-            pos += 1
-            return v
-        return None
-
-    if not toks:
-        return None
-    value = expr()
-    return value if pos == len(toks) else None
 
 
 def _final_answer(completion: str) -> str | None:
@@ -432,7 +325,7 @@ def _arith_correct(dataset: str, answer: str | None, oracle: str) -> bool:
 
 def _numbers_in(text: str) -> set[Fraction]:
     """Absolute values of the numbers written with digits in `text` (thousands separators allowed)."""
-    return {abs(t[2]) for t in _tokens(text) if t[0] == "num"}
+    return {abs(t[2]) for t in tokens(text) if t[0] == "num"}
 
 
 def _word_values(question) -> set[Fraction]:
