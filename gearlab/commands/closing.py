@@ -94,13 +94,13 @@ def train_summary(res, argv: list[str], cfg=None) -> str:
     if not res.stopped_early:
         from gearlab.commands.inspect import inspect_command
 
-        cfg = cfg if cfg is not None else run_config(rdir)
+        cfg = cfg if cfg is not None else _run_config(rdir)
         if cfg is not None:
             lines.append(f"see its credit on one batch: {inspect_command(cfg, rdir / 'final')}")
     return "\n".join(lines)
 
 
-def run_config(rdir):
+def _run_config(rdir):
     """The config a run folder recorded (its config.yaml) as a Config, or None when there is none."""
     from omegaconf import OmegaConf
 
