@@ -286,7 +286,7 @@ def test_credit_eval_table_for_one_file_has_no_interval():
 def test_a_difference_that_rounds_to_zero_has_no_sign():
     """Two methods that end level differ by a float's last bit (the main job: gear − grpo = −1.2e-8): the table
     prints "0.0", not "-0.0"; a real difference keeps its sign."""
-    from gearlab.commands.report import _amount, _fmt
+    from gearlab.commands.report_text import amount as _amount, fmt as _fmt
 
     assert _fmt(-1.19e-8, 0.0072, 5, pct=True) == "0.0 ± 0.7 (n=5)"
     assert _fmt(-0.0006, 0.0072, 5, pct=True) == "-0.1 ± 0.7 (n=5)"
