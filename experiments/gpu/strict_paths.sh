@@ -7,6 +7,8 @@
 #   compile  trainer.compile=true, the same 3-iteration GEAR run twice, experiments/gpu/rerun_check.py on the pair
 #   tool     multi-turn (experiment=tool_tiny on the GPU from a 200-step GPU warm start, gigpo: per-turn credit),
 #            3 iterations twice, rerun_check
+#   credit_eval  `gearlab credit-eval` twice on the final model of `methods`' grpo run (run `methods` first, in the
+#            same call or an earlier one on the same machine): both credit_eval.json files must be equal, byte for byte
 #   fsdp     1 GPU vs 2 GPUs, FSDP2, bf16-mixed: experiments/gpu/world_size_trace.sh SET=mixed (the committed
 #            figures in experiments/results/world_size_gpu/ predate the flag), then SET=one (unsharded vs FSDP2 on one
 #            card, with and without activation checkpointing)
@@ -49,9 +51,27 @@ P
   compile) rerun_pair strict_compile "$OUT/strict_compile.json" $short assigner=gear trainer.compile=true trainer.max_steps=3 ;;
   tool) rerun_pair strict_tool "$OUT/strict_tool.json" experiment=tool_tiny trainer.accelerator=gpu warmstart.device=cuda warmstart.steps=200 assigner=gigpo trainer.max_steps=3 \
           eval.num_problems=0 credit_eval.after_training=false ;;
+  credit_eval)
+    final=runs/strict_methods/grpo/final
+    [[ -f $final/config.json ]] || { echo "credit_eval: no $final (run the methods part first)"; exit 2; }
+    for x in a b; do
+      rm -rf "runs/strict_ce_$x"
+      timeout 240 gearlab credit-eval $short model.name_or_path="$final" credit_eval.out_dir="runs/strict_ce_$x" \
+        trainer.output_dir=runs/strict_ce > "$OUT/strict_ce_$x.log" 2>&1
+      echo "credit_eval $x rc=$?"; grep -v '^\s*$' "$OUT/strict_ce_$x.log" | tail -1 | cut -c1-300
+    done
+    python3 - runs/strict_ce_a/credit_eval.json runs/strict_ce_b/credit_eval.json "$OUT/strict_credit_eval.json" <<'P'
+import hashlib, json, sys
+a, b = (open(f, "rb").read() for f in sys.argv[1:3])
+res = {"equal": a == b, "sha256": [hashlib.sha256(x).hexdigest() for x in (a, b)],
+       "n_trajectories": json.loads(a)["n_trajectories"]}
+json.dump(res, open(sys.argv[3], "w"), indent=1)
+print("credit_eval repeated:", res["equal"], res["sha256"][0][:12], res["sha256"][1][:12])
+P
+    ;;
   fsdp)
     SET=mixed OUT=$OUT/fsdp_mixed bash experiments/gpu/world_size_trace.sh
     SET=one OUT=$OUT/fsdp_one bash experiments/gpu/world_size_trace.sh ;;
-  *) echo "unknown part $part (methods | compile | tool | fsdp)"; exit 2 ;;
+  *) echo "unknown part $part (methods | credit_eval | compile | tool | fsdp)"; exit 2 ;;
   esac
 done
