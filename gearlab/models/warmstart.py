@@ -34,7 +34,7 @@ __all__ = [
     "sft_loss",
     "evaluate_accuracy",
     "warmstart",
-    "deterministic_kernels",
+    "warmstart_kernels",
 ]
 
 
@@ -188,13 +188,15 @@ def _lr_at(step: int, progress: float, lr: float, warmup: int, min_ratio: float 
 
 
 @contextlib.contextmanager
-def deterministic_kernels(dev: torch.device) -> Iterator[None]:
+def warmstart_kernels(dev: torch.device) -> Iterator[None]:
     """On CUDA, deterministic kernels for the body (the previous setting restored after): the same warm start on
     every machine of one card kind, which ``gearlab compare`` checks by digest. Attention runs on SDPA's math
     backend: the fused backwards (cuDNN, flash, memory-efficient) keep non-deterministic reductions unless
     deterministic algorithms are enforced without ``warn_only``, which would make every other op without a
     deterministic kernel an error. (Two 100-step SmolLM2 warm starts on two H200s differed through cuDNN attention's
-    backward.) A no-op elsewhere: the CPU kernels are pinned by ``gearlab.cpu_kernels``."""
+    backward.) A no-op elsewhere: the CPU kernels are pinned by ``gearlab.cpu_kernels``. Not training's
+    ``gearlab.trainer.determinism.deterministic_kernels`` (strict, any attention backend): changing this one would
+    change every committed warm start's digest."""
     if dev.type != "cuda":
         yield
         return
@@ -315,7 +317,7 @@ def warmstart(
     )
     model.to(dev)
     t_train = time.perf_counter()
-    with deterministic_kernels(dev):
+    with warmstart_kernels(dev):
         losses = _sft_loop(model, tokenizer, task, out, dev, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                            max_minutes=max_minutes, log_every=log_every if verbose else 0,
                            privileged_fraction=privileged_fraction, warmup_steps=warmup_steps,

@@ -110,7 +110,7 @@ def test_a_cuda_warm_start_runs_deterministic_kernels_and_math_attention_then_re
     needs no GPU; on the CPU the context changes nothing (the CPU kernels are pinned elsewhere)."""
     from torch.backends import cuda as cb
 
-    from gearlab.models.warmstart import deterministic_kernels
+    from gearlab.models.warmstart import warmstart_kernels
 
     def state():
         return (torch.are_deterministic_algorithms_enabled(), cb.math_sdp_enabled(), cb.flash_sdp_enabled(),
@@ -118,9 +118,9 @@ def test_a_cuda_warm_start_runs_deterministic_kernels_and_math_attention_then_re
 
     before = state()
     assert before[0] is False and before[2] is True  # the defaults this test starts from
-    with deterministic_kernels(torch.device("cpu")):
+    with warmstart_kernels(torch.device("cpu")):
         assert state() == before
-    with deterministic_kernels(torch.device("cuda")):
+    with warmstart_kernels(torch.device("cuda")):
         assert state() == (True, True, False, False, False)
         assert torch.is_deterministic_algorithms_warn_only_enabled()
     assert state() == before
