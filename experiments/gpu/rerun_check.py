@@ -4,7 +4,9 @@ sampled, the prompts, what they earned, the credit, the update), read from each 
 
     python experiments/gpu/rerun_check.py RUN_DIR_A RUN_DIR_B [--out rerun.json]   # trainer.output_dir of each run
 
-Prints one JSON object: per metric, the first iteration where the runs differ (null: none); exit 1 if any differ.
+Prints one JSON object: per metric, the first iteration where the runs differ (null: none), and
+``iterations_with_signal``, the iterations of run A with a non-zero advantage (0: the check shows little, since no
+credit moved the update); exit 1 if any differ.
 """
 from __future__ import annotations
 
@@ -43,8 +45,12 @@ def main() -> None:
     ap.add_argument("b", type=Path)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    out: dict = first_differences(_histories(args.a), _histories(args.b))
+    a = _histories(args.a)
+    out: dict = first_differences(a, _histories(args.b))
     out["repeated"] = all(v["first_differing"] is None and v["iterations"] > 0 for v in out.values())
+    # a run whose groups all scored alike has every advantage 0: its update moves nothing the credit decides, so
+    # equal runs then show little; say how many iterations carried a learning signal
+    out["iterations_with_signal"] = sum(v > 0 for v in a["train/adv_abs_mean"].values())
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # trainer.deterministic (on by default: strict deterministic algorithms on CUDA) on the GPU paths it had not run on,
 # on a lent card (device `run`, carry [".whl"]; `fsdp` needs a 2-GPU kind). Parts run in the order given:
-#   methods  every credit method (conf/assigner/*.yaml) for one iteration of arith_long_gpu from a 50-step warm start,
+#   methods  every credit method (conf/assigner/*.yaml) for one iteration of arith_long_gpu from its 400-step warm start,
 #            rollout.engine=auto (the fast decoder, split-K attention), 3 runs per card at once: a method whose ops
 #            have no deterministic CUDA kernel stops with exit 2 and one line naming trainer.deterministic
 #   compile  trainer.compile=true, the same 3-iteration GEAR run twice, experiments/gpu/rerun_check.py on the pair
-#   tool     multi-turn (experiment=tool_tiny on the GPU from a 200-step GPU warm start, gigpo: per-turn credit),
+#   tool     multi-turn (experiment=tool_tiny on the GPU from its GPU warm start, gigpo: per-turn credit),
 #            3 iterations twice, rerun_check
 #   credit_eval  `gearlab credit-eval` twice on the final model of `methods`' grpo run (run `methods` first, in the
 #            same call or an earlier one on the same machine): both credit_eval.json files must be equal, byte for byte
@@ -18,7 +18,10 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OU
 mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); (( NG > 0 )) || NG=1
-short=${STRICT_ARGS:-"experiment=arith_long_gpu rollout.engine=auto warmstart.steps=50 eval.num_problems=0 credit_eval.after_training=false trainer.progress_bar=false"}
+# the preset's 400-step warm start (~30% greedy): from a weaker one (50 steps: 0%) every group scores alike, every
+# advantage is 0 and the signal passes skip every row, so a method's kernels would not run; skip_zero_rows=false runs
+# the signal passes on every row all the same
+short=${STRICT_ARGS:-"experiment=arith_long_gpu rollout.engine=auto eval.num_problems=0 credit_eval.after_training=false trainer.progress_bar=false signals.skip_zero_rows=false"}
 
 one_method() {  # $1 = assigner, $2 = card: one iteration; prints "name rc last-line"
   local a=$1 log=$OUT/logs/method_$1.log
@@ -49,7 +52,7 @@ print("methods:", len(res), "ran:", sum(v["rc"] == 0 for v in res.values()),
 P
     ;;
   compile) rerun_pair strict_compile "$OUT/strict_compile.json" $short assigner=gear trainer.compile=true trainer.max_steps=3 ;;
-  tool) rerun_pair strict_tool "$OUT/strict_tool.json" experiment=tool_tiny trainer.accelerator=gpu warmstart.device=cuda warmstart.steps=200 assigner=gigpo trainer.max_steps=3 \
+  tool) rerun_pair strict_tool "$OUT/strict_tool.json" experiment=tool_tiny trainer.accelerator=gpu warmstart.device=cuda assigner=gigpo trainer.max_steps=3 \
           eval.num_problems=0 credit_eval.after_training=false ;;
   credit_eval)
     final=runs/strict_methods/grpo/final
@@ -63,10 +66,12 @@ P
     python3 - runs/strict_ce_a/credit_eval.json runs/strict_ce_b/credit_eval.json "$OUT/strict_credit_eval.json" <<'P'
 import hashlib, json, sys
 a, b = (open(f, "rb").read() for f in sys.argv[1:3])
+rec = json.loads(a)
 res = {"equal": a == b, "sha256": [hashlib.sha256(x).hexdigest() for x in (a, b)],
-       "n_trajectories": json.loads(a)["n_trajectories"]}
+       "n_trajectories": rec["n_trajectories"], "n_scored": rec["n_located_informative"]}
 json.dump(res, open(sys.argv[3], "w"), indent=1)
-print("credit_eval repeated:", res["equal"], res["sha256"][0][:12], res["sha256"][1][:12])
+print("credit_eval repeated:", res["equal"], res["sha256"][0][:12], res["sha256"][1][:12], "responses scored:",
+      res["n_scored"], "(0: nothing was scored, the equality shows little)" if not res["n_scored"] else "")
 P
     ;;
   fsdp)
