@@ -91,12 +91,13 @@ def test_evaluation_decodes_in_the_runs_precision(tmp_path, tiny_model_dir, toke
 def test_one_engine_serves_every_evaluation_of_a_run(tmp_path, tiny_model_dir, monkeypatch):
     """The periodic evaluation keeps one rollout engine for the run (the fast decoder's compiled pieces and CUDA
     graphs are captured once, not at every evaluation)."""
+    import gearlab.trainer.callbacks as callbacks
     import gearlab.trainer.evaluation as evaluation
     import gearlab.trainer.train as train_mod
 
     made: list[int] = []
-    real = train_mod.engine_from_config
-    monkeypatch.setattr(train_mod, "engine_from_config", lambda *a, **k: made.append(1) or real(*a, **k))
+    real = callbacks.engine_from_config
+    monkeypatch.setattr(callbacks, "engine_from_config", lambda *a, **k: made.append(1) or real(*a, **k))
     monkeypatch.setattr(evaluation, "engine_from_config", lambda *a, **k: made.append(2) or real(*a, **k))
     calls: list[int] = []
     real_eval = evaluation.evaluate_model
