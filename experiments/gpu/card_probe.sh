@@ -11,12 +11,12 @@ set -uo pipefail
 EXP=$1; CHILD=${PROBE_CHILD:-rlsd-s0}; STEPS=${PROBE_STEPS:-3}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT" runs && OUT=$(realpath "$OUT")
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | tr H h)
+. "$(dirname "$0")/warm_start.sh"
+card=$(card_name)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 STATE=.gpu_state/$EXP-store.tgz; [[ -f $STATE ]] || STATE=/tmp/gpu_state/$EXP-store.tgz
 [[ -f runs/mlflow.db ]] || tar xzf "$STATE" -C runs
-ws=$(gearlab warmstart experiment="$EXP" trainer.output_dir=runs 2>&1 | tee "$OUT/warmstart.log" | sed -n 's/^warm-started model: //p')
-[[ -n $ws ]] || { tail -20 "$OUT/warmstart.log"; exit 1; }
+ws=$(warm_start "$OUT/warmstart.log" experiment="$EXP" trainer.output_dir=runs) || exit 1
 python - runs/mlflow.db "$EXP" "$ws" <<'PY'
 import json, sys
 from pathlib import Path

@@ -41,7 +41,8 @@ python -c "import gearlab.assigners" 2>/dev/null || python -m pip install -q --n
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | tr H h)  # h200 | h100 (file names)
+. "$(dirname "$0")/warm_start.sh"
+card=$(card_name)  # h200 | h100 (file names)
 for part in "$@"; do
   case $part in
   check)

@@ -13,10 +13,9 @@ set -uo pipefail
 EXP=$1; STEPS=${COST_STEPS:-4}; SEED=${COST_SEED:-0}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT" runs && OUT=$(realpath "$OUT")
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]\+' | tr H h)
-ws=$(gearlab warmstart experiment="$EXP" ${COST_ARGS:-} trainer.output_dir=runs/cost 2>&1 | tee "$OUT/cost_warmstart.log" \
-  | sed -n 's/^warm-started model: //p')
-[[ -n $ws ]] || { tail -20 "$OUT/cost_warmstart.log"; exit 1; }
+. "$(dirname "$0")/warm_start.sh"
+card=$(card_name)
+ws=$(warm_start "$OUT/cost_warmstart.log" experiment="$EXP" ${COST_ARGS:-} trainer.output_dir=runs/cost) || exit 1
 methods=(${COST_METHODS:-grpo oar_g})
 for a in "${methods[@]}"; do
   rm -rf "runs/cost_$a"
