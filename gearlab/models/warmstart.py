@@ -6,7 +6,7 @@ answer), so the self-distillation teacher (same weights, privileged context) is 
 it learns to use the reference answer. It deliberately under-trains: the default budget leaves
 the plain-prompt accuracy partial, which is the regime where RL has signal.
 
-`evaluate_accuracy` measures greedy or sampled accuracy with HF `generate` (left padding).
+Its accuracies before and after come from ``gearlab.models.accuracy``.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from gearlab.models.accuracy import evaluate_accuracy, evaluate_episodes
 from gearlab.stopping import Stopped, pending_stop
 from gearlab.tasks.base import Problem, Task
 from gearlab.tasks.registry import get_task
@@ -32,7 +33,6 @@ __all__ = [
     "encode_sft_example",
     "collate_sft",
     "sft_loss",
-    "evaluate_accuracy",
     "warmstart",
     "warmstart_kernels",
 ]
@@ -92,86 +92,6 @@ def sft_loss(model, batch: dict[str, Tensor]) -> Tensor:
     return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# evaluation
-
-
-@torch.no_grad()
-def evaluate_accuracy(
-    model,
-    tokenizer,
-    task: Task,
-    problems: Sequence[Problem],
-    *,
-    privileged: bool = False,
-    greedy: bool = True,
-    max_new_tokens: int = 48,
-    batch_size: int = 64,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> float:
-    """Mean `task.reward` of generated completions for `problems` (a fraction in [0, 1]).
-
-    greedy=False samples at `temperature` with no top-k/top-p truncation; it reseeds torch's
-    global RNG with `seed` so sampled accuracy is reproducible.
-    Prompts are left-padded so all rows generate from the same position.
-    """
-    if not problems:
-        return float("nan")
-    if getattr(task, "multi_turn", False):
-        return _evaluate_episodes(model, tokenizer, task, problems, privileged=privileged, greedy=greedy,
-                                  max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
-                                  seed=seed)["accuracy"]
-    was_training = model.training
-    model.eval()
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    if not greedy:
-        torch.manual_seed(seed)
-    total = 0.0
-    try:
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start : start + batch_size]
-            texts = [
-                tokenizer.apply_chat_template(
-                    task.messages(p, privileged=privileged), add_generation_prompt=True, tokenize=False
-                )
-                for p in chunk
-            ]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            sampling: dict[str, Any] = (
-                {"do_sample": False}
-                if greedy
-                else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-            )
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                **sampling,
-            )
-            completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            total += sum(task.reward(p, c) for p, c in zip(chunk, completions))
-    finally:
-        tokenizer.padding_side = old_side
-        model.train(was_training)
-    return total / len(problems)
-
-
-def _evaluate_episodes(model, tokenizer, task: Task, problems: Sequence[Problem], *, privileged: bool | str = False,
-                       greedy: bool = True, max_new_tokens: int = 48, batch_size: int = 64, temperature: float = 1.0,
-                       seed: int = 0) -> dict[str, float]:
-    """Multi-turn tasks: run the episodes with the rollout loop; accuracy (mean outcome) plus tool-use stats."""
-    from gearlab.rollout.multiturn import MultiTurnRolloutEngine
-    from gearlab.rollout.base import SamplingParams
-
-    engine = MultiTurnRolloutEngine(tokenizer, task, batch_size=batch_size, max_turns=task.max_turns)
-    rb = engine.generate(model, problems, group_size=1, seed=seed, privileged=privileged,
-                         sampling=SamplingParams(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature))
-    return {"accuracy": float(rb.rewards.mean()), **rb.meta["rollout_stats"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +302,7 @@ def _held_out_accuracy(model, tokenizer, task: Task, n_eval: int, seed: int, max
     kw = dict(max_new_tokens=max_new_tokens)
     res: dict[str, Any] = {}
     if getattr(task, "multi_turn", False):
-        ep = _evaluate_episodes(model, tokenizer, task, test, **kw)
+        ep = evaluate_episodes(model, tokenizer, task, test, **kw)
         res["acc_plain_greedy"] = ep["accuracy"]
         res.update({f"greedy_{k}": round(v, 4) for k, v in ep.items()
                     if k in ("tool_call_frac", "finish_frac", "valid_call_frac", "correct_call_frac", "turns_mean")})
