@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     early, overrides = _positional(cmd, overrides, print_config)
     if early is not None:
         return early
-    commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": _assigners,
-                "check-assigner": _check_assigner, "inspect": _inspect, "compare": None, "report": _report,
+    from gearlab.commands.assigners import check_assigner_command, list_assigners
+
+    commands = {"train": _train, "warmstart": _warmstart, "eval": _eval, "assigners": list_assigners,
+                "check-assigner": check_assigner_command, "inspect": _inspect, "compare": None, "report": _report,
                 "replay": _replay, "credit-eval": _credit_eval, "export": _export}
     if cmd not in commands:
         print(f"gearlab: error: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
@@ -157,7 +159,9 @@ def _positional(cmd: str, overrides: list[str], print_config: bool) -> tuple[int
         if print_config:
             print("gearlab: error: new-assigner reads no config (usage: gearlab new-assigner NAME)", file=sys.stderr)
             return 2, overrides
-        return _new_assigner(overrides), overrides
+        from gearlab.commands.assigners import new_assigner_command
+
+        return new_assigner_command(overrides), overrides
     if cmd == "report":
         if not overrides or "=" in overrides[0]:
             print("gearlab: error: usage: gearlab report COMPARISON [compare.metric=...] [compare.target=0.5]",
@@ -166,7 +170,9 @@ def _positional(cmd: str, overrides: list[str], print_config: bool) -> tuple[int
         return None, [f"compare.name={overrides[0]}", *overrides[1:]]
     if cmd == "assigners" and overrides and "=" not in overrides[0]:
         if not print_config:
-            return _describe_assigner(overrides[0], overrides[1:]), overrides
+            from gearlab.commands.assigners import describe_assigner
+
+            return describe_assigner(overrides[0], overrides[1:]), overrides
         return None, overrides[1:]  # NAME only picks what to describe; the config is the rest
     if cmd == "compare":  # short forms: assigners=[...] seeds=[...] workers=N
         short = {"assigners": "compare.assigners", "seeds": "compare.seeds", "workers": "compare.workers",
@@ -281,44 +287,6 @@ def _eval(cfg) -> int:
     return 0
 
 
-def _new_assigner(args: list[str]) -> int:
-    from pathlib import Path
-
-    from gearlab.credit.scaffold import new_assigner
-
-    if len(args) != 1:
-        print("gearlab: error: usage: gearlab new-assigner NAME", file=sys.stderr)
-        return 2
-    try:
-        paths = new_assigner(args[0], Path.cwd())
-    except (ValueError, FileExistsError) as e:
-        print(f"gearlab: error: {e}", file=sys.stderr)
-        return 2
-    for p in paths:
-        print(f"wrote {p}")
-    print(f"next: edit the formula, then `gearlab check-assigner {args[0]}` and `pytest {paths[2]}`")
-    return 0
-
-
-def _check_assigner(cfg) -> int:
-    from gearlab import credit
-    from gearlab.config import ConfigError
-    from gearlab.credit.contract import check_assigner
-
-    for spec in cfg.assigner.plugins:
-        credit.load_module(spec)
-    try:
-        credit.build(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
-    except (KeyError, ValueError) as e:
-        raise ConfigError(str(e).strip('"')) from None
-    checks = check_assigner(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
-    for c in checks:
-        print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}" + (f"  ({c.detail})" if c.detail else ""))
-    failed = sum(not c.ok for c in checks)
-    print(f"{cfg.assigner.name}: {len(checks) - failed}/{len(checks)} checks passed")
-    return 1 if failed else 0
-
-
 def _report(cfg, explicit_metric: bool = True) -> int:
     from pathlib import Path
 
@@ -374,57 +342,6 @@ def _inspect(cfg) -> int:
     out = inspect(cfg)
     for k, v in out.items():
         print(f"{k}: {v}")
-    return 0
-
-
-def _describe_assigner(name: str, overrides: list[str]) -> int:
-    """``gearlab assigners NAME``: the method's signals, promises and every option with its type, default and doc."""
-    from gearlab import credit
-    from gearlab.config import load_config
-    from gearlab.credit.options import describe_options
-
-    from gearlab.credit.methods import method_spec
-
-    cfg = load_config(overrides)
-    for spec in cfg.assigner.plugins:
-        credit.load_module(spec)
-    try:
-        method = method_spec(name)  # a registered assigner, a variant or a grid point
-        cls = credit.get(method.base)
-    except (KeyError, ValueError) as e:
-        print(f"gearlab: error: {str(e).strip(chr(34))}", file=sys.stderr)
-        return 2
-    if method.base != name:
-        print(f"{name}: a variant of {method.base} with options {method.options}")
-    doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-    promises = [p for p in ("preserves_sign", "preserves_mass", "requires_turns") if getattr(cls, p)]
-    print(f"{name}: {doc}")
-    print(f"  needs: {', '.join(sorted(str(getattr(s, 'value', s)) for s in cls.needs)) or '-'}"
-          f"   promises: {', '.join(promises) or '-'}   docs: docs/credit/")
-    rows = describe_options(cls.Options)
-    if not rows:
-        print("  options: none")
-    for opt, tp, default, text in rows:
-        print(f"  {opt:22s} {tp:14s} = {default!r:18s} {text}")
-    return 0
-
-
-def _assigners(cfg) -> int:
-    from gearlab import credit
-
-    from gearlab.credit.methods import available_methods, method_spec
-
-    for name in credit.available():
-        cls = credit.get(name)
-        needs = ", ".join(sorted(str(getattr(s, "value", s)) for s in cls.needs)) or "-"
-        doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-        print(f"{name:14s} needs: {needs:30s} {doc}")
-    variants = [m for m in available_methods() if method_spec(m).base != m]
-    if variants:
-        print("variants (conf/assigner/, a base with options; any METHOD:key=value works too):")
-        for m in variants:
-            spec = method_spec(m)
-            print(f"  {m:14s} = {spec.base} {spec.options}")
     return 0
 
 
