@@ -98,6 +98,16 @@ def command_help(cmd: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``gearlab`` command; returns its exit code (0, 1 for a failed check or child, 2 for bad input,
+    128 + the signal when stopped)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `gearlab assigners | head`: the reader left early, which is not gearlab's error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush succeeds
+        return 141  # 128 + SIGPIPE, as the shell reports a process its pipe closed
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(HELP)

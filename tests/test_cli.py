@@ -84,3 +84,21 @@ def test_rlsd_warmup_help_describes_the_ramp(capsys):
     row = next(ln for ln in out.splitlines() if ln.strip().startswith("warmup_steps "))
     # the code ramps λ linearly (λ·g/warmup_steps), it never runs plain GRPO during the warm-up
     assert "ramps up linearly" in row and "λ·g/warmup_steps" in row and "plain GRPO" not in row
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """``gearlab assigners | head -1``: the reader is gone before gearlab writes (here, from the start, so that no
+    timing decides it); gearlab ends with 141 (128 + SIGPIPE, as the shell reports it) and nothing on stderr,
+    instead of a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.Popen([sys.executable, "-m", "gearlab.cli", "assigners"], stdout=write_end,
+                            stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
