@@ -35,11 +35,12 @@ def check_assigner_command(cfg) -> int:
 
     for spec in cfg.assigner.plugins:
         credit.load_module(spec)
+    method, options = cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options)
     try:
-        credit.build(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
+        credit.build(method, options)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip('"')) from None
-    checks = check_assigner(cfg.assigner.base or cfg.assigner.name, dict(cfg.assigner.options))
+    checks = check_assigner(method, options)
     for c in checks:
         print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}" + (f"  ({c.detail})" if c.detail else ""))
     failed = sum(not c.ok for c in checks)
@@ -65,10 +66,10 @@ def describe_assigner(name: str, overrides: list[str]) -> int:
         return 2
     if method.base != name:
         print(f"{name}: a variant of {method.base} with options {method.options}")
-    doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+    needs, doc = _needs_and_doc(cls)
     promises = [p for p in ("preserves_sign", "preserves_mass", "requires_turns") if getattr(cls, p)]
     print(f"{name}: {doc}")
-    print(f"  needs: {', '.join(sorted(str(getattr(s, 'value', s)) for s in cls.needs)) or '-'}"
+    print(f"  needs: {needs}"
           f"   promises: {', '.join(promises) or '-'}   docs: docs/credit/")
     rows = describe_options(cls.Options)
     if not rows:
@@ -85,9 +86,7 @@ def list_assigners(cfg) -> int:
     from gearlab.credit.methods import available_methods, method_spec
 
     for name in credit.available():
-        cls = credit.get(name)
-        needs = ", ".join(sorted(str(getattr(s, "value", s)) for s in cls.needs)) or "-"
-        doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        needs, doc = _needs_and_doc(credit.get(name))
         print(f"{name:14s} needs: {needs:30s} {doc}")
     variants = [m for m in available_methods() if method_spec(m).base != m]
     if variants:
@@ -96,3 +95,11 @@ def list_assigners(cfg) -> int:
             spec = method_spec(m)
             print(f"  {m:14s} = {spec.base} {spec.options}")
     return 0
+
+
+def _needs_and_doc(cls: type) -> tuple[str, str]:
+    """An assigner class's declared signals ("entropy, teacher_kl", or "-") and the first line of its docstring
+    (the module's when the class has none)."""
+    needs = ", ".join(sorted(str(getattr(s, "value", s)) for s in cls.needs)) or "-"
+    doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+    return needs, doc
