@@ -3,6 +3,8 @@
     python experiments/bench/credit_cost.py --preset cpu          # embedded tiny model, real rollouts
     python experiments/bench/credit_cost.py --preset qwen3-0.6b   # GPU: Qwen3-0.6B shape, random bf16 weights,
                                                                   # vocab 151,936, 4,096-token responses
+    python experiments/bench/credit_cost.py --preset qwen3-0.6b --layers 1 --response-len 64 --sequences 4 \
+        --dtype float32                                           # the GPU preset's dry run on a CPU (~3 min)
 
 GRPO's training-side time is measured two ways, and each method's extra time is reported against both:
   * ``grpo_offpolicy_s`` = the π_old log-prob pass (which verl always runs, and gearlab runs whenever
@@ -137,9 +139,10 @@ def gpu_setup(args):
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                       max_position_embeddings=8192, rope_theta=1_000_000.0)
     torch.manual_seed(0)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the GPU preset (use --layers 1)
+    # cpu: a dry run of the GPU preset (--layers 1 --dtype float32: bf16 matmuls crawl on a CPU without bf16 units)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        model = Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype))
     model.config.use_cache = False
     model.gradient_checkpointing_enable()
     # The small offline tokenizer only decodes ids < its vocabulary; span detection needs text, so
@@ -159,8 +162,9 @@ def gpu_setup(args):
                       teacher_prompt_mask=torch.ones(B, P + 32, dtype=torch.long))
     rb = rb.with_(**{k: v.to(dev) for k, v in vars(rb).items() if isinstance(v, torch.Tensor)})
     n = sum(p.numel() for p in model.parameters())
+    dt = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
     return model, tok, rb, dict(micro=1, chunk=256, repeats=2, pairs=5,
-                                desc=f"Qwen3-0.6B shape ({n / 1e6:.0f}M params, vocab 151,936), random bf16 weights, "
+                                desc=f"Qwen3-0.6B shape ({n / 1e6:.0f}M params, vocab 151,936), random {dt} weights, "
                                      f"{B} sequences × (256 prompt + {T} response) tokens, micro-batch 1, gradient "
                                      "checkpointing")
 
@@ -172,6 +176,7 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--response-len", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="qwen3-0.6b preset's weights")
     ap.add_argument(
         "--model-dir", default=None, help="cpu preset: the warm-started model (default runs/embedded/tiny-arith)"
     )
