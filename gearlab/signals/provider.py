@@ -110,12 +110,16 @@ class SignalProvider:
             ordered = sorted(extra, key=signal_name)
             inside = [s for s in ordered if signal_name(s) in gathered]
             outside = [s for s in ordered if signal_name(s) not in gathered]
+            # without autograd, so that a forward kept for its outputs does not keep every layer's activations with
+            # them (SHEAR's hidden-state forwards held ~8 GiB per 4K-token row of a 0.6B model); a signal that
+            # backpropagates turns it on for its own pass (torch.enable_grad)
             try:
-                with gathered_for_signals(self.model) if inside else contextlib.nullcontext():
+                with gathered_for_signals(self.model) if inside else contextlib.nullcontext(), torch.no_grad():
                     for sig in inside:
                         signals[sig] = fns[sig](ctx).detach().float() * m
-                for sig in outside:
-                    signals[sig] = fns[sig](ctx).detach().float() * m
+                with torch.no_grad():
+                    for sig in outside:
+                        signals[sig] = fns[sig](ctx).detach().float() * m
             finally:
                 self.model.train(was_training)
         return ppass, signals

@@ -49,8 +49,9 @@ FAKES = ("entropy", "logprob", "kl", "nonneg", "signed", "reasoning_mask", "mask
 @dataclass
 class SignalContext:
     """Everything a model-based signal function may use. ``model`` is the policy (eval mode, its
-    parameters may require grad: a function that backpropagates must use ``torch.autograd.grad``
-    on inputs only and leave no ``.grad`` on parameters)."""
+    parameters may require grad). The provider calls a signal function under ``torch.no_grad``: one that
+    backpropagates turns autograd on itself (``torch.enable_grad``), uses ``torch.autograd.grad`` on inputs only
+    and leaves no ``.grad`` on parameters."""
 
     model: nn.Module
     tokenizer: Any
