@@ -145,15 +145,18 @@ def gpu_setup(args):
         model = Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype))
     model.config.use_cache = False
     model.gradient_checkpointing_enable()
-    # The small offline tokenizer only decodes ids < its vocabulary; span detection needs text, so
-    # responses are drawn from its ids (the model's vocabulary is still 151,936 for every logit).
+    # The small offline tokenizer only decodes ids < its vocabulary, and span detection needs text, so responses
+    # are its tokens of arithmetic lines (the model's vocabulary is still 151,936 for every logit). Text, not
+    # random ids: random ids decode to characters split over byte tokens, which sends the segmentation down its
+    # slow path, a cost real responses do not pay.
     tok = build_tokenizer()
     B, P, T = args.sequences, 256, args.response_len
     g = torch.Generator().manual_seed(0)
     small_v = len(tok)
-    resp = torch.randint(5, small_v, (B, T), generator=g)
     answer = tok("\nAnswer: 42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    resp[:, -len(answer):] = torch.tensor(answer)
+    lines = "".join(f"Step {k}: {k * 7} + {k + 3} = {k * 8 + 3}, so carry {k % 10}.\n" for k in range(T))
+    body = tok(lines, add_special_tokens=False)["input_ids"]
+    resp = torch.tensor([body[b * 7:][: T - len(answer)] + answer for b in range(B)])  # each row its own lines
     rb = RolloutBatch(prompt_ids=torch.randint(5, small_v, (B, P), generator=g), prompt_mask=torch.ones(B, P,
                       dtype=torch.long),
                       response_ids=resp, response_mask=torch.ones(B, T, dtype=torch.bool),

@@ -1,4 +1,5 @@
-"""Error spans to response tokens (``error_token_mask``, ``locate_errors``) on the embedded tiny tokenizer."""
+"""Characters to response tokens on the embedded tiny tokenizer: the reasoning / answer segments
+(``response_segments``) and error spans (``error_token_mask``, ``locate_errors``)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from gearlab.core.batch import RolloutBatch
 from gearlab.rollout.base import SamplingParams
 from gearlab.rollout.multiturn import MultiTurnRolloutEngine, observation_text
-from gearlab.signals.spans import _char_starts, error_token_mask, locate_errors
+from gearlab.signals.spans import _char_starts, _split_text, error_token_mask, locate_errors, response_segments
 from gearlab.tasks.registry import get_task
 from tests.rollout.scripted import ScriptedPolicy, action_ids
 
@@ -127,3 +128,53 @@ def test_locate_errors_multi_turn_marks_the_policy_action_only(tokenizer):
     special = torch.isin(rb.response_ids, torch.tensor(tokenizer.all_special_ids))
     assert torch.equal(whole, rb.response_mask & ~special)
     assert (rb.attention_mask & ~rb.response_mask).any() and not (whole & ~rb.response_mask).any()
+
+
+def _segments_by_definition(tok, ids_row, mask_row):
+    """The three segments of one row straight from the module's definition: token k covers the characters
+    [len(decode(ids[:k])), len(decode(ids[:k+1]))) of the decoded generated tokens; special tokens are in none."""
+    pos = [p for p, m in enumerate(mask_row) if m]
+    ids = [ids_row[p] for p in pos]
+    text = tok.decode(ids, skip_special_tokens=True)
+    out = {"reasoning": set(), "conclude": set(), "value": set()}
+    cut = _split_text(text) if ids else None
+    if cut is None:
+        return out
+    ends = [len(tok.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    assert ends == sorted(ends)  # monotone prefixes: "the first token ending after a character" is well defined
+    a = next((k for k, e in enumerate(ends) if e > cut[0]), len(ids))
+    v = next((k for k, e in enumerate(ends) if e > cut[1]), len(ids)) if cut[1] < len(text) else len(ids)
+    for k, (p, t) in enumerate(zip(pos, ids)):
+        if t not in tok.all_special_ids:
+            out["reasoning" if k < a else "conclude" if k < v else "value"].add(p)
+    return out
+
+
+def test_response_segments_equal_their_definition_on_random_rows(tokenizer):
+    """Rows mixing arithmetic lines, 2-byte characters (the pieces then do not concatenate: bisection), stop
+    and pad tokens inside the row, positions outside ``response_mask`` and no answer marker; every row's three
+    masks equal the per-token definition, on the first call and again once each token's text is cached."""
+    g = torch.Generator().manual_seed(0)
+    chunks = ["7+5=12\n", "12*3=36\n", " so ", "carry 1", "\u00e9", "\n", "x", "Answer: 41", "Answer:  7"]
+    special = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    rows, masks = [], []
+    for _ in range(40):
+        pick = torch.randint(len(chunks), (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        ids = _enc(tokenizer, "".join(chunks[i] for i in pick))
+        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):  # a special token somewhere inside
+            ids.insert(int(torch.randint(len(ids) + 1, (1,), generator=g)), special[int(torch.randint(2, (1,),
+                                                                                               generator=g))])
+        keep = (torch.rand(len(ids), generator=g) > 0.1).tolist()  # ~10% of the positions not generated
+        rows.append(ids + [tokenizer.eos_token_id])
+        masks.append(keep + [True])
+    T = max(map(len, rows)) + 2
+    rid = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])
+    rm = torch.tensor([m + [False] * (T - len(m)) for m in masks])
+    for _ in range(2):  # cold, then warm per-token cache
+        seg = response_segments(tokenizer, rid, rm)
+        for b in range(len(rows)):
+            want = _segments_by_definition(tokenizer, rid[b].tolist(), rm[b].tolist())
+            got = {k: set(getattr(seg, k)[b].nonzero().flatten().tolist()) for k in want}
+            assert got == want, b
+    assert sum(len(_segments_by_definition(tokenizer, rid[b].tolist(), rm[b].tolist())["value"]) > 0
+               for b in range(len(rows))) > 10  # the rows do exercise all three segments
