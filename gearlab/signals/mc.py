@@ -76,7 +76,7 @@ def token_step_ends(tokenizer: Any, step_ends: Callable[[str], list[int]], ids: 
     starts = _char_starts(tokenizer, ids, text)
     ends: list[int] = []
     for e in step_ends(text)[:-1]:
-        k = _token_at_char(tokenizer, ids, starts, e - 1) + 1 if e > 0 else 0
+        k = _token_at_char(tokenizer, ids, starts, e - 1, text) + 1 if e > 0 else 0
         if 0 < k < len(ids) and (not ends or k > ends[-1]):
             ends.append(k)
     return [*ends, len(ids)]

@@ -103,21 +103,53 @@ def _char_starts(tokenizer: Any, ids: list[int], text: str, skip_special_tokens:
     return starts
 
 
-def _token_at_char(tokenizer: Any, ids: list[int], starts: list[int] | None, char: int) -> int:
-    """Index of the token whose characters contain ``char`` (the first token ending after it)."""
+def _token_at_char(tokenizer: Any, ids: list[int], starts: list[int] | None, char: int, text: str | None = None) -> int:
+    """Index of the token whose characters contain ``char`` (the first token ending after it) in ``text`` =
+    decode(ids). Without ``starts`` (the pieces do not concatenate) the boundary is found by prefix decodes: first
+    at the place the clean pieces before the first, or after the last, split character point to (two decodes
+    confirm it), else by bisection."""
     if starts is not None:
         for k in range(len(ids)):
             if starts[k + 1] > char:
                 return k
         return len(ids)
-    lo, hi = 0, len(ids)  # smallest k with len(decode(ids[:k+1])) > char, by bisection
+
+    def end(k: int) -> int:  # len(decode(ids[:k+1])): where token k ends
+        return len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) if k >= 0 else 0
+
+    guess = _clean_guess(tokenizer, ids, text, char) if text is not None else None
+    if guess is not None and end(guess - 1) <= char < end(guess):
+        return guess  # with prefix lengths that grow with k the one such token: bisection's answer too
+    lo, hi = 0, len(ids)  # smallest k with end(k) > char, by bisection
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(tokenizer.decode(ids[: mid + 1], skip_special_tokens=True)) > char:
+        if end(mid) > char:
             hi = mid
         else:
             lo = mid + 1
     return lo
+
+
+def _clean_guess(tokenizer: Any, ids: list[int], text: str, char: int) -> int | None:
+    """The token holding ``char`` as the per-token pieces place it, where they spell ``text`` exactly: from its
+    start up to the first piece that does not, or back from its end down to the last; None in between."""
+    pieces = _token_pieces(tokenizer, ids, True)
+    pos = 0
+    for k, p in enumerate(pieces):
+        if not text.startswith(p, pos):
+            break
+        pos += len(p)
+        if pos > char:
+            return k
+    pos = len(text)
+    for k in range(len(ids) - 1, -1, -1):
+        p = pieces[k]
+        if not text.endswith(p, 0, pos):
+            break
+        pos -= len(p)
+        if pos <= char:
+            return k
+    return None
 
 
 def _split_text(text: str) -> tuple[int, int] | None:
@@ -156,8 +188,8 @@ def response_segments(tokenizer: Any, response_ids: Tensor, response_mask: Tenso
         if cut is None:
             continue
         starts = _char_starts(tokenizer, ids, text)
-        a_tok = _token_at_char(tokenizer, ids, starts, cut[0])
-        v_tok = _token_at_char(tokenizer, ids, starts, cut[1]) if cut[1] < len(text) else len(ids)
+        a_tok = _token_at_char(tokenizer, ids, starts, cut[0], text)
+        v_tok = _token_at_char(tokenizer, ids, starts, cut[1], text) if cut[1] < len(text) else len(ids)
         keep = ~torch.isin(ids_cpu[b, pos], special)  # special tokens belong to no segment
         reasoning[b, pos[:a_tok][keep[:a_tok]]] = True
         conclude[b, pos[a_tok:v_tok][keep[a_tok:v_tok]]] = True
