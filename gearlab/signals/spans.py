@@ -17,8 +17,10 @@ segmented; environment text in multi-turn responses is in no segment [INF].
 
 Characters are mapped to tokens by decoding the generated tokens cumulatively: token k covers
 the characters [len(decode(ids[:k])), len(decode(ids[:k+1]))). A fast path decodes each token
-once and uses it when the pieces concatenate to the full decoded text (true for byte-level BPE
-on ASCII); otherwise the boundary token is found by bisection over prefix decodes.
+once (and keeps it, per tokenizer) and uses it when the pieces concatenate to the full decoded text (true for
+byte-level BPE on ASCII); otherwise the boundary token is taken where the pieces place it before the first
+character split over tokens or after the last one, confirmed by two prefix decodes, and found by bisection over
+prefix decodes when that fails.
 
 Error spans (``error_token_mask``, ``locate_errors``): a task's :meth:`~gearlab.tasks.base.Task.locate_error`
 gives the character span of the first wrong step in the row's text ``meta["texts"][i]``; the same
@@ -93,7 +95,7 @@ def _token_pieces(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> 
 
 def _char_starts(tokenizer: Any, ids: list[int], text: str, skip_special_tokens: bool = True) -> list[int] | None:
     """Character offset in ``text`` (= decode(ids)) where each token starts, plus len(text) at the end;
-    None when the per-token pieces do not concatenate to ``text`` (then the caller bisects)."""
+    None when the per-token pieces do not concatenate to ``text`` (the slow path of ``_token_at_char``)."""
     pieces = _token_pieces(tokenizer, ids, skip_special_tokens)
     if "".join(pieces) != text:
         return None
