@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gearlab.signals.registry import SignalContext, register_signal
-from gearlab.signals.spans import _char_starts, _token_at_char
+from gearlab.signals.spans import _tokens_at_chars
 
 
 MC_SIGNAL = "mc_step_advantage"
@@ -73,10 +73,11 @@ def token_step_ends(tokenizer: Any, step_ends: Callable[[str], list[int]], ids: 
     if not ids:
         return [0]
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    starts = _char_starts(tokenizer, ids, text)
+    cuts = step_ends(text)[:-1]
+    last_tokens = iter(_tokens_at_chars(tokenizer, ids, text, [e - 1 for e in cuts if e > 0]))
     ends: list[int] = []
-    for e in step_ends(text)[:-1]:
-        k = _token_at_char(tokenizer, ids, starts, e - 1, text) + 1 if e > 0 else 0
+    for e in cuts:
+        k = next(last_tokens) + 1 if e > 0 else 0
         if 0 < k < len(ids) and (not ends or k > ends[-1]):
             ends.append(k)
     return [*ends, len(ids)]

@@ -40,6 +40,8 @@ position (never a guessed one).
 from __future__ import annotations
 
 import weakref
+from bisect import bisect_right
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -95,7 +97,7 @@ def _token_pieces(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> 
 
 def _char_starts(tokenizer: Any, ids: list[int], text: str, skip_special_tokens: bool = True) -> list[int] | None:
     """Character offset in ``text`` (= decode(ids)) where each token starts, plus len(text) at the end;
-    None when the per-token pieces do not concatenate to ``text`` (the slow path of ``_token_at_char``)."""
+    None when the per-token pieces do not concatenate to ``text``."""
     pieces = _token_pieces(tokenizer, ids, skip_special_tokens)
     if "".join(pieces) != text:
         return None
@@ -105,53 +107,56 @@ def _char_starts(tokenizer: Any, ids: list[int], text: str, skip_special_tokens:
     return starts
 
 
-def _token_at_char(tokenizer: Any, ids: list[int], starts: list[int] | None, char: int, text: str | None = None) -> int:
-    """Index of the token whose characters contain ``char`` (the first token ending after it) in ``text`` =
-    decode(ids). Without ``starts`` (the pieces do not concatenate) the boundary is found by prefix decodes: first
-    at the place the clean pieces before the first, or after the last, split character point to (two decodes
-    confirm it), else by bisection."""
-    if starts is not None:
-        for k in range(len(ids)):
-            if starts[k + 1] > char:
-                return k
-        return len(ids)
+def _tokens_at_chars(tokenizer: Any, ids: list[int], text: str, chars: Sequence[int]) -> list[int]:
+    """For each character offset in ``chars``, the index of the token whose characters contain it (the first token
+    ending after it; ``len(ids)`` past the end) in ``text`` = decode(ids, skip_special_tokens=True). Where the
+    per-token pieces spell ``text`` their lengths place every token; otherwise a character is placed by the clean
+    pieces before the first, or after the last, split character and two prefix decodes confirm it, else bisection
+    over prefix decodes finds it."""
+    pieces = _token_pieces(tokenizer, ids, True)
+    if "".join(pieces) == text:
+        ends = list(accumulate(map(len, pieces)))
+        return [bisect_right(ends, c) for c in chars]
+    head: list[int] = []  # head[k]: where token k ends, for the leading tokens whose pieces spell the text's start
+    pos = 0
+    for p in pieces:
+        if not text.startswith(p, pos):
+            break
+        pos += len(p)
+        head.append(pos)
+    tail: list[int] = []  # where each trailing token starts, last token first, while the pieces spell the text's end
+    pos = len(text)
+    for p in reversed(pieces):
+        if not text.endswith(p, 0, pos):
+            break
+        pos -= len(p)
+        tail.append(pos)
+    tail.reverse()  # now token len(ids) - len(tail) + i starts at tail[i]
 
     def end(k: int) -> int:  # len(decode(ids[:k+1])): where token k ends
         return len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) if k >= 0 else 0
 
-    guess = _clean_guess(tokenizer, ids, text, char) if text is not None else None
-    if guess is not None and end(guess - 1) <= char < end(guess):
-        return guess  # with prefix lengths that grow with k the one such token: bisection's answer too
-    lo, hi = 0, len(ids)  # smallest k with end(k) > char, by bisection
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if end(mid) > char:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _clean_guess(tokenizer: Any, ids: list[int], text: str, char: int) -> int | None:
-    """The token holding ``char`` as the per-token pieces place it, where they spell ``text`` exactly: from its
-    start up to the first piece that does not, or back from its end down to the last; None in between."""
-    pieces = _token_pieces(tokenizer, ids, True)
-    pos = 0
-    for k, p in enumerate(pieces):
-        if not text.startswith(p, pos):
-            break
-        pos += len(p)
-        if pos > char:
-            return k
-    pos = len(text)
-    for k in range(len(ids) - 1, -1, -1):
-        p = pieces[k]
-        if not text.endswith(p, 0, pos):
-            break
-        pos -= len(p)
-        if pos <= char:
-            return k
-    return None
+    out = []
+    for c in chars:
+        if c >= len(text):
+            out.append(len(ids))
+            continue
+        guess = bisect_right(head, c)
+        if guess == len(head):
+            i = bisect_right(tail, c) - 1
+            guess = len(ids) - len(tail) + i if i >= 0 else None
+        if guess is not None and end(guess - 1) <= c < end(guess):
+            out.append(guess)  # with prefix lengths that grow with k the one such token: bisection's answer too
+            continue
+        lo, hi = 0, len(ids)  # smallest k with end(k) > c, by bisection
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if end(mid) > c:
+                hi = mid
+            else:
+                lo = mid + 1
+        out.append(lo)
+    return out
 
 
 def _split_text(text: str) -> tuple[int, int] | None:
@@ -189,9 +194,7 @@ def response_segments(tokenizer: Any, response_ids: Tensor, response_mask: Tenso
         cut = _split_text(text)
         if cut is None:
             continue
-        starts = _char_starts(tokenizer, ids, text)
-        a_tok = _token_at_char(tokenizer, ids, starts, cut[0], text)
-        v_tok = _token_at_char(tokenizer, ids, starts, cut[1], text) if cut[1] < len(text) else len(ids)
+        a_tok, v_tok = _tokens_at_chars(tokenizer, ids, text, cut)
         keep = ~torch.isin(ids_cpu[b, pos], special)  # special tokens belong to no segment
         reasoning[b, pos[:a_tok][keep[:a_tok]]] = True
         conclude[b, pos[a_tok:v_tok][keep[a_tok:v_tok]]] = True
