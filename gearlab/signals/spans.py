@@ -264,22 +264,39 @@ def _tokens_overlapping(tokenizer: Any, ids: list[int], text: str, start: int, e
     decode(ids[:k]) is a prefix of ``text``: a group's tokens together spell its characters, and a group
     is marked whole when those overlap the span. (Bisecting prefix lengths is not exact here: a prefix
     that ends inside a character decodes to replacement characters, so its length overstates its extent.)
+    Runs of tokens whose pieces spell the text are taken from the pieces, each token a group, once one prefix
+    decode confirms the run's end; the tokens after a run are grouped by prefix decodes up to the next clean
+    boundary. A row costs one decode per run and per token of a split character, not one per token.
     Zero-width tokens (special tokens skipped by the decoding) are never marked.
     """
     starts = _char_starts(tokenizer, ids, text, skip_special_tokens=skip)
     if starts is not None:
         return [k for k in range(len(ids)) if starts[k] < end and starts[k + 1] > start and starts[k + 1] > starts[k]]
+    pieces = _token_pieces(tokenizer, ids, skip)
+
+    def clean(b: int, ca: int) -> int | None:  # len(decode(ids[:b])) when that is a prefix of text reaching ca
+        prefix = text if b == len(ids) else tokenizer.decode(ids[:b], skip_special_tokens=skip)
+        return len(prefix) if len(prefix) >= ca and text.startswith(prefix) else None
+
     out: list[int] = []
     a, ca = 0, 0  # the open group's first token and first character
-    for b in range(1, len(ids) + 1):
-        if ca >= end:
-            break
-        prefix = text if b == len(ids) else tokenizer.decode(ids[:b], skip_special_tokens=skip)
-        if len(prefix) < ca or not text.startswith(prefix):
-            continue  # inside a character: the group goes on
-        if len(prefix) > ca and len(prefix) > start:
+    runs = True  # off once a run's end fails its decode: from then on every boundary is decoded
+    while a < len(ids) and ca < end:
+        b, ends = a, []
+        while runs and b < len(ids) and text.startswith(pieces[b], ends[-1] if ends else ca):
+            ends.append((ends[-1] if ends else ca) + len(pieces[b]))
+            b += 1
+        if ends and clean(b, ca) == ends[-1]:
+            out += [a + k for k, (s, e) in enumerate(zip([ca, *ends], ends)) if e > s and e > start and s < end]
+            a, ca = b, ends[-1]
+            continue
+        runs = runs and not ends
+        b = a + 1
+        while (n := clean(b, ca)) is None:
+            b += 1
+        if n > ca and n > start:
             out += range(a, b)
-        a, ca = b, len(prefix)
+        a, ca = b, n
     return out
 
 

@@ -178,3 +178,44 @@ def test_response_segments_equal_their_definition_on_random_rows(tokenizer):
             assert got == want, b
     assert sum(len(_segments_by_definition(tokenizer, rid[b].tolist(), rm[b].tolist())["value"]) > 0
                for b in range(len(rows))) > 10  # the rows do exercise all three segments
+
+
+def _overlapping_by_definition(tok, ids, text, start, end):
+    """Tokens grouped between every clean boundary k (decode(ids[:k]) a prefix of the text, not shorter than the
+    previous one), each prefix decoded; a group is marked whole when its characters overlap [start, end)."""
+    out, a, ca = [], 0, 0
+    for b in range(1, len(ids) + 1):
+        prefix = tok.decode(ids[:b], skip_special_tokens=True)
+        if len(prefix) < ca or not text.startswith(prefix):
+            continue
+        if len(prefix) > ca and len(prefix) > start and ca < end:
+            out += range(a, b)
+        a, ca = b, len(prefix)
+    return out
+
+
+def test_error_spans_with_split_characters_equal_their_definition(tokenizer):
+    """Rows with 2- and 4-byte characters among arithmetic lines (and special tokens inside): the marked tokens of
+    random spans equal the per-prefix definition; the rows do take the slow path and mark split characters."""
+    g = torch.Generator().manual_seed(1)
+    chunks = ["7+5=12\n", "12*3=36\n", " so ", "\u00e9", "\U0001F642", "\u00e9\u00e9", "Answer: 41"]
+    split_marked = 0
+    for _ in range(30):
+        pick = torch.randint(len(chunks), (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+        text = "".join(chunks[i] for i in pick)
+        if not any(ord(c) > 127 for c in text):
+            text += "\u00e9"
+        ids = _enc(tokenizer, text)
+        if torch.rand(1, generator=g) < 0.5:
+            ids.insert(int(torch.randint(len(ids) + 1, (1,), generator=g)), tokenizer.eos_token_id)
+        b = _batch(tokenizer, [tokenizer.decode(ids, skip_special_tokens=True)])
+        b.response_ids[0, : len(ids)] = torch.tensor(ids)
+        assert b.meta["texts"][0] == text and _char_starts(tokenizer, ids, text) is None
+        for _ in range(4):
+            s = int(torch.randint(len(text), (1,), generator=g))
+            e = s + int(torch.randint(1, 12, (1,), generator=g))
+            want = [k for k in _overlapping_by_definition(tokenizer, ids, text, s, e)
+                    if ids[k] != tokenizer.eos_token_id]
+            assert _marked(error_token_mask(tokenizer, b, [(s, e)]), 0) == want, (text, s, e)
+            split_marked += any(ord(c) > 127 for c in text[s:e])
+    assert split_marked > 10
