@@ -98,13 +98,12 @@ def _token_pieces(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> 
 def _char_starts(tokenizer: Any, ids: list[int], text: str, skip_special_tokens: bool = True) -> list[int] | None:
     """Character offset in ``text`` (= decode(ids)) where each token starts, plus len(text) at the end;
     None when the per-token pieces do not concatenate to ``text``."""
-    pieces = _token_pieces(tokenizer, ids, skip_special_tokens)
-    if "".join(pieces) != text:
-        return None
-    starts = [0]
-    for p in pieces:
-        starts.append(starts[-1] + len(p))
-    return starts
+    return _starts_of(_token_pieces(tokenizer, ids, skip_special_tokens), text)
+
+
+def _starts_of(pieces: list[str], text: str) -> list[int] | None:
+    """``_char_starts`` from the pieces already read."""
+    return [0, *accumulate(map(len, pieces))] if "".join(pieces) == text else None
 
 
 def _tokens_at_chars(tokenizer: Any, ids: list[int], text: str, chars: Sequence[int]) -> list[int]:
@@ -269,10 +268,10 @@ def _tokens_overlapping(tokenizer: Any, ids: list[int], text: str, start: int, e
     boundary. A row costs one decode per run and per token of a split character, not one per token.
     Zero-width tokens (special tokens skipped by the decoding) are never marked.
     """
-    starts = _char_starts(tokenizer, ids, text, skip_special_tokens=skip)
+    pieces = _token_pieces(tokenizer, ids, skip)
+    starts = _starts_of(pieces, text)
     if starts is not None:
         return [k for k in range(len(ids)) if starts[k] < end and starts[k + 1] > start and starts[k + 1] > starts[k]]
-    pieces = _token_pieces(tokenizer, ids, skip)
 
     def clean(b: int, ca: int) -> int | None:  # len(decode(ids[:b])) when that is a prefix of text reaching ca
         prefix = text if b == len(ids) else tokenizer.decode(ids[:b], skip_special_tokens=skip)
@@ -282,9 +281,10 @@ def _tokens_overlapping(tokenizer: Any, ids: list[int], text: str, start: int, e
     a, ca = 0, 0  # the open group's first token and first character
     runs = True  # off once a run's end fails its decode: from then on every boundary is decoded
     while a < len(ids) and ca < end:
-        b, ends = a, []
-        while runs and b < len(ids) and text.startswith(pieces[b], ends[-1] if ends else ca):
-            ends.append((ends[-1] if ends else ca) + len(pieces[b]))
+        b, ends, pos = a, [], ca
+        while runs and b < len(ids) and text.startswith(pieces[b], pos):
+            pos += len(pieces[b])
+            ends.append(pos)
             b += 1
         if ends and clean(b, ca) == ends[-1]:
             out += [a + k for k, (s, e) in enumerate(zip([ca, *ends], ends)) if e > s and e > start and s < end]
