@@ -113,9 +113,9 @@ def _tokens_at_chars(tokenizer: Any, ids: list[int], text: str, chars: Sequence[
     pieces before the first, or after the last, split character and two prefix decodes confirm it, else bisection
     over prefix decodes finds it."""
     pieces = _token_pieces(tokenizer, ids, True)
-    if "".join(pieces) == text:
-        ends = list(accumulate(map(len, pieces)))
-        return [bisect_right(ends, c) for c in chars]
+    starts = _starts_of(pieces, text)
+    if starts is not None:  # searching starts[1:] (the ends): the number of tokens ending at or before c
+        return [bisect_right(starts, c, 1) - 1 for c in chars]
     head: list[int] = []  # head[k]: where token k ends, for the leading tokens whose pieces spell the text's start
     pos = 0
     for p in pieces:
