@@ -6,7 +6,8 @@
 # $OUT/cost_<card>.json, per method the median seconds of rollout, signals + credit and update over the iterations
 # after the first (the first warms the caches), their sum, and the ratio of that sum to the first method's.
 #   bash experiments/gpu/method_cost.sh EXPERIMENT    # after compare_in_calls.sh's installs (SmolLM2, reasoning-gym)
-# COST_ARGS: more overrides for the warm start and every run (a CPU dry run: experiment arith3_cpu, warmstart.steps=5).
+# COST_ARGS: more overrides for the warm start and every run (a CPU dry run: experiment arith3_cpu, warmstart.steps=5);
+# COST_ARGS_<method>: more for that method's run only (COST_ARGS_vineppo="assigner.options.k=2").
 # Another kind of card than the comparison's makes another warm start: its times stand for that card's, and the
 # ratios between methods carry over better than the seconds.
 set -uo pipefail
@@ -20,9 +21,10 @@ methods=(${COST_METHODS:-grpo oar_g})
 for a in "${methods[@]}"; do
   rm -rf "runs/cost_$a"
   SECONDS=0
-  timeout "${COST_TIMEOUT:-240}" gearlab train experiment="$EXP" ${COST_ARGS:-} assigner="$a" trainer.seed="$SEED" \
-    model.name_or_path="$ws" trainer.max_steps="$STEPS" eval.num_problems=0 credit_eval.after_training=false \
-    trainer.progress_bar=false trainer.output_dir="runs/cost_$a" > "$OUT/cost_$a.log" 2>&1
+  own="COST_ARGS_$a"
+  timeout "${COST_TIMEOUT:-240}" gearlab train experiment="$EXP" ${COST_ARGS:-} assigner="$a" ${!own:-} \
+    trainer.seed="$SEED" model.name_or_path="$ws" trainer.max_steps="$STEPS" eval.num_problems=0 \
+    credit_eval.after_training=false trainer.progress_bar=false trainer.output_dir="runs/cost_$a" > "$OUT/cost_$a.log" 2>&1
   echo "$a rc=$? ${SECONDS}s: $(grep -v '^\s*$' "$OUT/cost_$a.log" | tail -1 | cut -c1-200)"
 done
 python3 - "$OUT/cost_${card:-gpu}.json" "${methods[@]}" <<'P'
@@ -43,6 +45,10 @@ for a in sys.argv[2:]:
     h = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)][1:]
          for k in KEYS}
     row = {k.split("/")[1]: round(statistics.median(v), 3) for k, v in h.items() if v}
+    for k in ("mc/continuations", "mc/tokens"):  # a Monte-Carlo method's work per iteration (VinePPO)
+        v = [m.value for m in client.get_metric_history(run.info.run_id, k)]
+        if v:
+            row[k.replace("/", "_")] = statistics.median(v)
     row["iterations_timed"] = len(h["time/rollout_s"])
     row["sum_s"] = round(sum(row.get(k.split("/")[1], 0.0) for k in KEYS), 3)
     base = base or row["sum_s"]
