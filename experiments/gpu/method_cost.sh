@@ -24,7 +24,8 @@ for a in "${methods[@]}"; do
   own="COST_ARGS_$a"
   timeout "${COST_TIMEOUT:-240}" gearlab train experiment="$EXP" ${COST_ARGS:-} assigner="$a" ${!own:-} \
     trainer.seed="$SEED" model.name_or_path="$ws" trainer.max_steps="$STEPS" eval.num_problems=0 \
-    credit_eval.after_training=false trainer.progress_bar=false trainer.output_dir="runs/cost_$a" > "$OUT/cost_$a.log" 2>&1
+    credit_eval.after_training=false trainer.progress_bar=false trainer.output_dir="runs/cost_$a" \
+    > "$OUT/cost_$a.log" 2>&1
   echo "$a rc=$? ${SECONDS}s: $(grep -v '^\s*$' "$OUT/cost_$a.log" | tail -1 | cut -c1-200)"
 done
 python3 - "$OUT/cost_${card:-gpu}.json" "${methods[@]}" <<'P'
