@@ -43,12 +43,14 @@ for a in sys.argv[2:]:
     except (Exception, SystemExit) as e:  # a method that did not run: say so, keep the others
         out[a] = {"error": str(e)[:200]}
         continue
-    h = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)][1:]
-         for k in KEYS}
+
+    def hist(key: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    h = {k: hist(k)[1:] for k in KEYS}  # the first iteration compiles and warms caches: not timed
     row = {k.split("/")[1]: round(statistics.median(v), 3) for k, v in h.items() if v}
-    for k in ("mc/continuations", "mc/tokens"):  # a Monte-Carlo method's work per iteration (VinePPO)
-        v = [m.value for m in client.get_metric_history(run.info.run_id, k)]
-        if v:
+    for k in ("mc/continuations", "mc/tokens"):  # a Monte-Carlo method's work per iteration (VinePPO), all of them
+        if v := hist(k):
             row[k.replace("/", "_")] = statistics.median(v)
     row["iterations_timed"] = len(h["time/rollout_s"])
     row["sum_s"] = round(sum(row.get(k.split("/")[1], 0.0) for k in KEYS), 3)
