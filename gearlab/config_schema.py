@@ -93,6 +93,7 @@ class RolloutConfig:
     engine: str = "auto"
     prompts_per_step: int = 16
     group_size: int = 8
+    # must hold the answers: train warns where it cuts the task's median worked solution, naming the value that fits
     max_new_tokens: int = 48
     temperature: float = 1.0
     top_p: float = 1.0

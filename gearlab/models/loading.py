@@ -175,7 +175,8 @@ def run_warmstart(cfg: Config, *, shipped: bool = True) -> dict[str, Any]:
     trained from scratch (with ``shipped`` and the default recipe, the warm start shipped in the package — the same
     files the SFT writes — is copied instead); a pretrained model is fine-tuned on the task's demonstrations."""
     from gearlab.models.shipped import copy_shipped, shipped_matches
-    from gearlab.models.tiny import MODEL_SIZES
+    from gearlab.models.answer_length import answer_budget_warning
+    from gearlab.models.tiny import MODEL_SIZES, build_tokenizer
     from gearlab.models.warmstart import warmstart
 
     task = task_from_config(cfg)
@@ -188,6 +189,9 @@ def run_warmstart(cfg: Config, *, shipped: bool = True) -> dict[str, Any]:
         log.info("the default warm start of %s: copying the shipped one (gearlab warmstart recomputes it) into %s",
                  ref, out)
         return copy_shipped(out)
+    # checked here too, not only when training starts: on long demonstrations the warm start below takes an hour
+    if warning := answer_budget_warning(cfg, task, build_tokenizer()):
+        log.warning("before warm-starting %s from scratch: %s", ref, warning)
     w = cfg.warmstart
     threads = torch.get_num_threads()
     if w.threads > 0:

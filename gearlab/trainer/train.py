@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gearlab import credit
 from gearlab.config import Config, ConfigError, to_yaml
+from gearlab.models.answer_length import answer_budget_warning
 from gearlab.models.loading import load_policy, warn_bf16_training
 from gearlab.models.prompt_length import check_prompt_lengths, check_task_prompts
 from gearlab.parallel import distributed
@@ -171,6 +172,8 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
     warn_bf16_training(model, cfg.optim.lr)
     if not prompts_checked:  # the tokenizer could not be read before the model loaded (a hub id, a new embedded model)
         check_prompt_lengths(cfg, task, tok, model.config)
+    if warning := answer_budget_warning(cfg, task, tok):
+        log.warning(warning)
     # auto → concrete values, before config.yaml and the MLflow params are written: they record what ran
     cfg.rollout.engine = resolve_engine(cfg, model)
     cfg.rollout.fast.attention = resolve_attention(cfg)
