@@ -172,7 +172,7 @@ def _train_locked(cfg: Config, task: Task, assigner: credit.CreditAssigner, rdir
     warn_bf16_training(model, cfg.optim.lr)
     if not prompts_checked:  # the tokenizer could not be read before the model loaded (a hub id, a new embedded model)
         check_prompt_lengths(cfg, task, tok, model.config)
-    if warning := answer_budget_warning(cfg, task, tok):
+    if _is_launch_rank_zero() and (warning := answer_budget_warning(cfg, task, tok)):  # once, not once a rank
         log.warning(warning)
     # auto → concrete values, before config.yaml and the MLflow params are written: they record what ran
     cfg.rollout.engine = resolve_engine(cfg, model)
