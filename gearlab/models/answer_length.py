@@ -26,8 +26,9 @@ def answer_lengths(task: Task, tokenizer: Any, n: int = 64, seed: int = 0) -> li
 
 def answer_budget_warning(cfg: Config, task: Task, tokenizer: Any, n: int = 64) -> str | None:
     """One line when the median worked solution of ``n`` train problems needs more tokens than
-    ``rollout.max_new_tokens`` (then most completions are cut before their answer); None when it fits, and for
-    multi-turn tasks (their budget is per turn) or tasks that ship fewer than ``n // 2`` worked solutions."""
+    ``rollout.max_new_tokens`` (then a policy warm-started on them is cut before its answer on most problems); None
+    when it fits, for multi-turn tasks (their budget is per turn) and for tasks that ship fewer than ``n // 2``
+    worked solutions."""
     if task.multi_turn:
         return None
     lengths = answer_lengths(task, tokenizer, n, seed=cfg.trainer.seed)
@@ -37,4 +38,5 @@ def answer_budget_warning(cfg: Config, task: Task, tokenizer: Any, n: int = 64) 
     cut = sum(x > budget for x in lengths)
     return (f"key 'rollout.max_new_tokens': {budget} tokens cut {cut} of {len(lengths)} worked solutions of task "
             f"{cfg.task.name!r} before their answer (median {statistics.median(lengths):g} tokens, longest "
-            f"{max(lengths)}): most completions will score 0; set rollout.max_new_tokens={max(lengths)} or more")
+            f"{max(lengths)}): a policy that answers as they do scores 0 where it is cut; set "
+            f"rollout.max_new_tokens={max(lengths)} or more")

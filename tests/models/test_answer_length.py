@@ -30,8 +30,8 @@ def test_a_budget_under_the_median_solution_is_named_with_the_value_that_fits(to
     assert statistics.median(lengths) > 4 * 48  # GSM-style worked solutions in the tiny model's tokens
     w = answer_budget_warning(cfg, task, tokenizer)
     assert w == (f"key 'rollout.max_new_tokens': 48 tokens cut 64 of 64 worked solutions of task 'rg' before their "
-                 f"answer (median {statistics.median(lengths):g} tokens, longest {max(lengths)}): most completions "
-                 f"will score 0; set rollout.max_new_tokens={max(lengths)} or more")
+                 f"answer (median {statistics.median(lengths):g} tokens, longest {max(lengths)}): a policy that "
+                 f"answers as they do scores 0 where it is cut; set rollout.max_new_tokens={max(lengths)} or more")
 
 
 def test_the_median_decides(tokenizer):
